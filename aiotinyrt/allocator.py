@@ -1,0 +1,370 @@
+"""Device memory: the Allocator base class, the LRU cache, BufferSpec and statistics.
+
+Backends implement the synchronous hooks ``_alloc``, ``_free``, ``_copyin``, ``_copyout`` and
+optionally ``_transfer``, ``_offset`` and ``_as_memoryview``. The public coroutines here own
+validation, checkpoints, accounting, error translation, and the ordering of copies on the
+device's copy queue. Copies run on the device's worker threads, never on the event loop.
+
+Raw allocator copies are ordered after everything already submitted to the device (a full
+barrier): code working at this level does not have buffer-level hazard tracking, so the safe
+order is the submission order. :class:`~aiotinyrt.buffer.Buffer` tracks hazards precisely.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio.lowlevel
+
+from aiotinyrt.helpers import debug_level, format_bytes, getenv
+from aiotinyrt.program import Signal, when_all_done
+
+if TYPE_CHECKING:
+    from aiotinyrt.device import Compiled
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """How a buffer's memory should be allocated (as tinygrad's ``BufferSpec``).
+
+    ``uncached``/``cpu_access``/``host`` are hints a backend may honour; ``nolru`` bypasses the
+    LRU cache; ``zero`` asks for zero-filled memory (never served from the cache);
+    ``external_ptr`` wraps memory the caller owns (never cached, never released by us).
+    """
+
+    uncached: bool = False
+    cpu_access: bool = False
+    host: bool = False
+    nolru: bool = False
+    zero: bool = False
+    external_ptr: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("uncached", "cpu_access", "host", "nolru", "zero"):
+            value = getattr(self, name)
+            if type(value) is not bool:
+                raise TypeError(f"BufferSpec.{name} must be a bool, got {value!r}")
+        ptr = self.external_ptr
+        if ptr is not None and (type(ptr) is not int or ptr <= 0):
+            raise ValueError(f"BufferSpec.external_ptr must be a positive int address, got {ptr!r}")
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether memory with this spec may go through the LRU cache."""
+        return not (self.nolru or self.zero or self.external_ptr is not None)
+
+
+@dataclass(frozen=True)
+class AllocatorStatistics:
+    """A snapshot of an allocator's accounting.
+
+    ``bytes_in_use``: allocated and not yet released (memory freed while work was pending counts
+    until that work completes); ``bytes_cached``: released into the LRU cache, ready for reuse;
+    ``hits``/``misses``: allocations served from the cache or by the backend;
+    ``allocations``: live allocations.
+    """
+
+    device: str
+    bytes_in_use: int
+    bytes_cached: int
+    peak_bytes_in_use: int
+    hits: int
+    misses: int
+    allocations: int
+
+
+def _check_nbytes(device: str, nbytes: object) -> int:
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"{device}: size must be an int number of bytes, got {nbytes!r}")
+        nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"{device}: size must be positive, got {nbytes} bytes")
+    return nbytes
+
+
+def _check_spec(options: object) -> BufferSpec:
+    if options is None:
+        return _DEFAULT_SPEC
+    if not isinstance(options, BufferSpec):
+        raise TypeError(f"options must be a BufferSpec or None, got {type(options).__name__}")
+    return options
+
+
+def host_bytes(mv: object, *, writable: bool, what: str) -> memoryview:
+    """Validate a host buffer argument and return it as a flat unsigned-byte memoryview."""
+    if not isinstance(mv, memoryview):
+        try:
+            mv = memoryview(mv)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"{what} must support the buffer protocol, got {type(mv).__name__}") from None
+    if writable and mv.readonly:
+        raise ValueError(f"{what} is read-only; copyout needs a writable buffer")
+    if not mv.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+_DEFAULT_SPEC = BufferSpec()
+
+
+class Allocator(Generic[T]):
+    """Device memory. Public coroutines validate and account; backends implement the hooks.
+
+    ``limit`` (bytes, or None) caps the memory in use; an allocation past it raises
+    ``MemoryError`` as the device running out would.
+    """
+
+    #: Whether ``_copyout`` can produce data (False on NULL).
+    supports_copyout: bool = True
+
+    def __init__(self, device: Compiled) -> None:
+        self.device = device
+        self.limit: int | None = None
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._peak = 0
+        self._live = 0
+        self._hits = 0
+        self._misses = 0
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int, options: BufferSpec) -> T:
+        raise NotImplementedError
+
+    def _free(self, opaque: T, nbytes: int, options: BufferSpec) -> None:
+        raise NotImplementedError
+
+    def _copyin(self, dest: T, src: memoryview) -> None:
+        raise NotImplementedError
+
+    def _copyout(self, dest: memoryview, src: T) -> None:
+        raise NotImplementedError
+
+    def _transfer(self, dest: T, src: Any, nbytes: int, src_device: Compiled) -> None:
+        """Copy ``nbytes`` from another device's memory. Only called when
+        :meth:`_can_transfer_from` says this backend can."""
+        raise NotImplementedError
+
+    def _can_transfer_from(self, src_device: Compiled) -> bool:
+        return False
+
+    def _offset(self, opaque: T, nbytes: int, offset: int) -> T:
+        """A handle to ``nbytes`` at ``offset`` inside ``opaque`` (views and sub-buffers)."""
+        raise NotImplementedError(f"{self.device.name} does not support buffer views")
+
+    def _as_memoryview(self, opaque: T, nbytes: int) -> memoryview | None:
+        """A zero-copy host view of the memory, or None when the backend has none."""
+        return None
+
+    def _reusable(self, opaque: T) -> bool:
+        """False while something outside the runtime (a host view) still uses the memory."""
+        return True
+
+    # ---- public API --------------------------------------------------------------------------
+    async def alloc(self, nbytes: int, options: BufferSpec | None = None) -> T:
+        """Allocate ``nbytes`` of device memory and return the backend's handle.
+
+        Raises ``ValueError`` for a size <= 0, ``MemoryError`` (naming the device, the size and
+        the memory in use) when out of memory after one retry with the cache freed.
+
+        Cancellation: a checkpoint at entry; once past it the allocation completes.
+        """
+        await anyio.lowlevel.checkpoint()
+        return self.alloc_nowait(nbytes, options)
+
+    def alloc_nowait(self, nbytes: int, options: BufferSpec | None = None) -> T:
+        """Synchronous allocation (the body of :meth:`alloc`, for code that is not async)."""
+        nbytes = _check_nbytes(self.device.name, nbytes)
+        spec = _check_spec(options)
+        with self._lock:
+            opaque = self._take_cached(nbytes, spec)
+            if opaque is not None:
+                self._account_alloc(nbytes, hit=True)
+                return opaque
+        try:
+            opaque = self._alloc_checked(nbytes, spec)
+        except MemoryError:
+            self.free_cache()
+            opaque = self._alloc_checked(nbytes, spec)
+        with self._lock:
+            self._account_alloc(nbytes, hit=False)
+        if debug_level() >= 7:
+            print(f"{self.device.name}: alloc {format_bytes(nbytes)} ({self._in_use} in use)")
+        return opaque
+
+    def _alloc_checked(self, nbytes: int, spec: BufferSpec) -> T:
+        limit = self.limit
+        if limit is not None and self._in_use + nbytes > limit:
+            raise self._oom(nbytes, f"over the limit of {format_bytes(limit)}")
+        try:
+            return self._alloc(nbytes, spec)
+        except (MemoryError, OSError) as exc:
+            raise self._oom(nbytes, str(exc) or type(exc).__name__) from exc
+
+    def _oom(self, nbytes: int, why: str) -> MemoryError:
+        return MemoryError(
+            f"{self.device.name}: out of memory allocating {nbytes} bytes ({format_bytes(nbytes)}); "
+            f"{self._in_use} bytes in use ({format_bytes(self._in_use)}): {why}"
+        )
+
+    def _account_alloc(self, nbytes: int, *, hit: bool) -> None:
+        self._in_use += nbytes
+        self._live += 1
+        self._peak = max(self._peak, self._in_use)
+        if hit:
+            self._hits += 1
+        else:
+            self._misses += 1
+
+    def _take_cached(self, nbytes: int, spec: BufferSpec) -> T | None:
+        return None
+
+    async def free(
+        self, opaque: T, nbytes: int, options: BufferSpec | None = None, *, after: Sequence[Signal] = ()
+    ) -> None:
+        """Release memory, once every signal in ``after`` (work still using it) is done.
+
+        Returns without waiting for that work: the memory is released (or cached) when it
+        completes, and counts as in use until then.
+
+        Cancellation: a checkpoint at entry (cancelled there, nothing happened); past entry the
+        free always completes.
+        """
+        await anyio.lowlevel.checkpoint()
+        self.free_nowait(opaque, nbytes, options, after=after)
+
+    def free_nowait(
+        self, opaque: T, nbytes: int, options: BufferSpec | None = None, *, after: Sequence[Signal] = ()
+    ) -> None:
+        """Synchronous :meth:`free` (deferred the same way)."""
+        nbytes = _check_nbytes(self.device.name, nbytes)
+        spec = _check_spec(options)
+        when_all_done(after, lambda: self._release(opaque, nbytes, spec))
+
+    def _release(self, opaque: T, nbytes: int, spec: BufferSpec) -> None:
+        """Return memory to the cache or the backend. May run in a worker thread."""
+        with self._lock:
+            self._in_use -= nbytes
+            self._live -= 1
+            if self._put_cached(opaque, nbytes, spec):
+                return
+        if debug_level() >= 7:
+            print(f"{self.device.name}: free {format_bytes(nbytes)}")
+        self._free(opaque, nbytes, spec)
+
+    def _put_cached(self, opaque: T, nbytes: int, spec: BufferSpec) -> bool:
+        return False
+
+    def free_cache(self) -> None:
+        """Release every cached allocation back to the backend (no-op without a cache)."""
+
+    def statistics(self) -> AllocatorStatistics:
+        """A frozen snapshot of this allocator's accounting."""
+        with self._lock:
+            return AllocatorStatistics(
+                device=self.device.name,
+                bytes_in_use=self._in_use,
+                bytes_cached=self._cached_bytes(),
+                peak_bytes_in_use=self._peak,
+                hits=self._hits,
+                misses=self._misses,
+                allocations=self._live,
+            )
+
+    def _cached_bytes(self) -> int:
+        return 0
+
+    # ---- copies ----------------------------------------------------------------------------------
+    async def copyin(self, dest: T, src: memoryview) -> None:
+        """Copy host memory ``src`` into device memory ``dest`` (``len(src)`` bytes).
+
+        Runs on the device's copy queue after everything already submitted to the device.
+
+        Cancellation: cancels the wait only; the copy still completes, reading ``src``, which is
+        kept alive until it has.
+        """
+        mv = host_bytes(src, writable=False, what="copyin source")
+        if mv.nbytes == 0:
+            raise ValueError(f"{self.device.name}: copyin of 0 bytes")
+        sig = self.device._copy_queue.submit(self._copyin, (dest, mv), self.device._barrier(), keep=mv)
+        await sig
+
+    async def copyout(self, dest: memoryview, src: T) -> None:
+        """Copy device memory ``src`` into host memory ``dest`` (``len(dest)`` bytes).
+
+        Runs on the device's copy queue after everything already submitted to the device.
+
+        Cancellation: cancels the wait only; the copy still completes and writes into ``dest``.
+        """
+        mv = host_bytes(dest, writable=True, what="copyout destination")
+        self.check_copyout()
+        if mv.nbytes == 0:
+            raise ValueError(f"{self.device.name}: copyout of 0 bytes")
+        sig = self.device._copy_queue.submit(self._copyout, (mv, src), self.device._barrier(), keep=mv)
+        await sig
+
+    def check_copyout(self) -> None:
+        """Raise before enqueueing if this device cannot copy out."""
+        if not self.supports_copyout:
+            raise RuntimeError(
+                f"{self.device.name} holds no data to copy out (set NULL_ALLOW_COPYOUT=1 to read zeros)"
+            )
+
+    async def transfer(self, dest: T, src: Any, nbytes: int, src_device: Compiled) -> None:
+        """Copy ``nbytes`` from ``src`` (memory of ``src_device``) into ``dest`` on this device.
+
+        Direct when the backend can (CPU to CPU:N: one memcpy on this device's copy worker);
+        otherwise through a host staging buffer, still without passing through the event loop.
+
+        Cancellation: cancels the wait only; the transfer completes.
+        """
+        nbytes = _check_nbytes(self.device.name, nbytes)
+        deps = self.device._barrier() + src_device._barrier()
+        await self.device._submit_transfer(dest, src, nbytes, src_device, deps, keep=(dest, src))
+
+
+class LRUAllocator(Allocator[T]):
+    """An allocator that keeps freed memory for reuse: a dict ``(nbytes, spec) -> [handles]``,
+    most recently freed reused first. ``LRU=0`` disables it; ``nolru``, ``zero`` and
+    ``external_ptr`` bypass it. On out-of-memory the cache is emptied and the allocation retried
+    once."""
+
+    def __init__(self, device: Compiled) -> None:
+        super().__init__(device)
+        self._cache: defaultdict[tuple[int, BufferSpec], list[T]] = defaultdict(list)
+        self._cached = 0
+        self.enabled = getenv("LRU", 1) != 0
+
+    def _take_cached(self, nbytes: int, spec: BufferSpec) -> T | None:
+        if not spec.cacheable:
+            return None
+        entries = self._cache.get((nbytes, spec))
+        if not entries:
+            return None
+        self._cached -= nbytes
+        return entries.pop()
+
+    def _put_cached(self, opaque: T, nbytes: int, spec: BufferSpec) -> bool:
+        if not (self.enabled and spec.cacheable and self._reusable(opaque)):
+            return False
+        self._cache[(nbytes, spec)].append(opaque)
+        self._cached += nbytes
+        return True
+
+    def _cached_bytes(self) -> int:
+        return self._cached
+
+    def free_cache(self) -> None:
+        with self._lock:
+            entries = [(key, op) for key, ops in self._cache.items() for op in ops]
+            self._cache.clear()
+            self._cached = 0
+        for (nbytes, spec), opaque in entries:
+            self._free(opaque, nbytes, spec)

@@ -1,0 +1,274 @@
+"""CPU: C kernels compiled by clang (or gcc), loaded with cffi, run on host worker threads.
+
+Each ``CPU``/``CPU:N`` device has a compute queue and a copy queue, each with its own worker
+thread; cffi releases the GIL for the duration of every kernel and every copy. Kernels use
+tinygrad's calling convention: buffer pointers, then 32-bit ints, and they loop themselves.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import cffi
+
+from aiotinyrt.allocator import BufferSpec, LRUAllocator
+from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
+from aiotinyrt.device import Compiled
+from aiotinyrt.helpers import debug_level, getenv_str
+from aiotinyrt.program import Program
+
+_ffi = cffi.FFI()
+_ffi.cdef(
+    """
+    void *dlopen(const char *filename, int flags);
+    void *dlsym(void *handle, const char *symbol);
+    char *dlerror(void);
+    int dlclose(void *handle);
+    void *memcpy(void *dest, const void *src, size_t n);
+    """
+)
+try:
+    _libc: Any = _ffi.dlopen(None)
+    _libc.dlopen  # noqa: B018 - glibc >= 2.34 exports dlopen from libc itself
+except (OSError, AttributeError):
+    _libc = _ffi.dlopen("libdl.so.2")
+_RTLD_NOW = 2
+
+
+def find_cc() -> list[str] | None:
+    """The C compiler command: ``$CC``, else clang, else gcc (clang first: kernels tinygrad
+    generates use clang's vector extensions)."""
+    env = getenv_str("CC")
+    if env:
+        argv = shlex.split(env)
+        return argv if argv and shutil.which(argv[0]) else None
+    for name in ("clang", "gcc", "cc"):
+        path = shutil.which(name)
+        if path is not None:
+            return [path]
+    return None
+
+
+class ClangCompiler(Compiler):
+    """C source to a shared object, by the system C compiler run as a subprocess."""
+
+    FLAGS = ("-O2", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+
+    def __init__(self, cc: list[str]) -> None:
+        super().__init__("compile_cpu")
+        self.cc = cc
+
+    async def identity(self) -> str:
+        result = await anyio.run_process([*self.cc, "--version"], check=False)
+        banner = result.stdout.decode(errors="replace").splitlines()[:1]
+        cpu = await anyio.to_thread.run_sync(_cpu_model)
+        return "|".join([*self.cc, *banner, *self.FLAGS, platform.machine(), cpu])
+
+    async def compile(self, src: str) -> bytes:
+        """Compile C source with ``cc -O2 -march=native -fPIC -shared`` in a subprocess.
+
+        Raises ``CompileError`` with the compiler's diagnostics on failure, when the compiler is
+        killed, or after ``COMPILE_TIMEOUT_S`` seconds (default 120).
+
+        Cancellation: the compiler process is killed and its temporary files removed.
+        """
+        if debug_level() >= 4:
+            print(src)
+        tmp = await anyio.to_thread.run_sync(tempfile.mkdtemp, "", "aiotinyrt-")
+        try:
+            out = os.path.join(tmp, "kernel.so")
+            argv = [*self.cc, *self.FLAGS, "-x", "c", "-", "-o", out, "-lm"]
+            limit = compile_timeout()
+            try:
+                with anyio.fail_after(limit):
+                    result = await anyio.run_process(argv, input=src.encode(), check=False)
+            except TimeoutError:
+                raise CompileError(f"{self.cc[0]} did not finish within {limit:g} s", src=src) from None
+            if result.returncode != 0:
+                how = (
+                    f"was killed by signal {-result.returncode}"
+                    if result.returncode < 0
+                    else f"exited with status {result.returncode}"
+                )
+                diagnostics = (result.stderr or result.stdout).decode(errors="replace")
+                raise CompileError(f"{self.cc[0]} {how}", diagnostics, src)
+            return await anyio.to_thread.run_sync(Path(out).read_bytes)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(shutil.rmtree, tmp, True)
+
+    def disassemble(self, lib: bytes) -> str:
+        """objdump -d of the shared object (blocking; call it from a thread in async code)."""
+        objdump = shutil.which("objdump") or shutil.which("llvm-objdump")
+        if objdump is None:
+            raise RuntimeError("disassemble needs objdump (apt-get install -y binutils)")
+        with tempfile.NamedTemporaryFile(suffix=".so") as f:
+            f.write(lib)
+            f.flush()
+            return subprocess.run([objdump, "-d", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _unload(handle: int, fd: int) -> None:
+    _libc.dlclose(_ffi.cast("void *", handle))
+    os.close(fd)
+
+
+class CPUProgram(Program):
+    """A shared object loaded from memory (memfd: no file is left behind) and called with cffi."""
+
+    def __init__(self, device: Compiled, name: str, lib: bytes, *, src: str | None = None) -> None:
+        super().__init__(device, name, lib, src=src)
+        fd = os.memfd_create(f"aiotinyrt-{name}", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(self.lib)
+            while view:
+                view = view[os.write(fd, view) :]
+            # the fd stays open while the library is loaded: glibc matches dlopen paths by
+            # name, and a reused /proc/self/fd/N would otherwise return an older library
+            handle = _libc.dlopen(f"/proc/self/fd/{fd}".encode(), _RTLD_NOW)
+            if handle == _ffi.NULL:
+                raise ValueError(f"cannot load {name!r}: {_ffi.string(_libc.dlerror()).decode()}")
+        except BaseException:
+            os.close(fd)
+            raise
+        addr = _libc.dlsym(handle, name.encode())
+        if addr == _ffi.NULL:
+            _libc.dlclose(handle)
+            os.close(fd)
+            raise ValueError(f"the binary has no function named {name!r}")
+        weakref.finalize(self, _unload, int(_ffi.cast("uintptr_t", handle)), fd)
+        self._addr = _ffi.cast("void *", addr)
+        self._fns: dict[tuple[int, int], Any] = {}
+
+    def function(self, nbufs: int, nvals: int) -> Any:
+        """The kernel as a cffi function pointer taking ``nbufs`` addresses and ``nvals`` ints."""
+        key = (nbufs, nvals)
+        fn = self._fns.get(key)
+        if fn is None:
+            params = ", ".join(["uintptr_t"] * nbufs + ["int32_t"] * nvals) or "void"
+            fn = self._fns[key] = _ffi.cast(f"void (*)({params})", self._addr)
+        return fn
+
+    def _launcher(
+        self,
+        handles: tuple[Any, ...],
+        global_size: tuple[int, ...],
+        local_size: tuple[int, ...] | None,
+        vals: tuple[int, ...],
+    ) -> tuple[Any, tuple[Any, ...]]:
+        fn = self._fns.get((len(handles), len(vals))) or self.function(len(handles), len(vals))
+        return fn, (*[h.addr for h in handles], *vals)
+
+
+class CPUMemory:
+    """A handle to host memory: the owning mmap (None for external memory), the address of the
+    first byte, its offset into the mmap and its size."""
+
+    __slots__ = ("addr", "mm", "nbytes", "offset")
+
+    def __init__(self, mm: mmap.mmap | None, addr: int, offset: int, nbytes: int) -> None:
+        self.mm = mm
+        self.addr = addr
+        self.offset = offset
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return f"<CPUMemory 0x{self.addr:x} {self.nbytes} bytes>"
+
+
+class CPUAllocator(LRUAllocator[CPUMemory]):
+    """Page-aligned anonymous mmap memory; zero-copy host views."""
+
+    def __init__(self, device: Compiled) -> None:
+        super().__init__(device)
+        self._unreleased: list[mmap.mmap] = []  # freed while a host view still used them
+
+    def _alloc(self, nbytes: int, options: BufferSpec) -> CPUMemory:
+        if options.external_ptr is not None:
+            return CPUMemory(None, options.external_ptr, 0, nbytes)
+        mm = mmap.mmap(-1, nbytes)
+        return CPUMemory(mm, int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm))), 0, nbytes)
+
+    def _free(self, opaque: CPUMemory, nbytes: int, options: BufferSpec) -> None:
+        with self._lock:  # called from worker threads too
+            if opaque.mm is not None:
+                self._unreleased.append(opaque.mm)
+            still = []
+            for mm in self._unreleased:
+                try:
+                    mm.close()
+                except BufferError:  # a memoryview from as_memoryview() keeps it alive
+                    still.append(mm)
+            self._unreleased = still
+
+    def _reusable(self, opaque: CPUMemory) -> bool:
+        if opaque.mm is None:
+            return False
+        try:
+            opaque.mm.resize(len(opaque.mm))  # refused while any host view is exported
+        except BufferError:
+            return False
+        return True
+
+    def _copyin(self, dest: CPUMemory, src: memoryview) -> None:
+        if src.nbytes > dest.nbytes:
+            raise ValueError(f"copyin of {src.nbytes} bytes into {dest.nbytes} bytes")
+        _libc.memcpy(_ffi.cast("void *", dest.addr), _ffi.from_buffer(src), src.nbytes)
+
+    def _copyout(self, dest: memoryview, src: CPUMemory) -> None:
+        if dest.nbytes > src.nbytes:
+            raise ValueError(f"copyout of {dest.nbytes} bytes from {src.nbytes} bytes")
+        _libc.memcpy(
+            _ffi.from_buffer(dest, require_writable=True), _ffi.cast("void *", src.addr), dest.nbytes
+        )
+
+    def _transfer(self, dest: CPUMemory, src: Any, nbytes: int, src_device: Compiled) -> None:
+        _libc.memcpy(_ffi.cast("void *", dest.addr), _ffi.cast("void *", src.addr), nbytes)
+
+    def _can_transfer_from(self, src_device: Compiled) -> bool:
+        return isinstance(src_device.allocator, CPUAllocator)
+
+    def _offset(self, opaque: CPUMemory, nbytes: int, offset: int) -> CPUMemory:
+        return CPUMemory(opaque.mm, opaque.addr + offset, opaque.offset + offset, nbytes)
+
+    def _as_memoryview(self, opaque: CPUMemory, nbytes: int) -> memoryview:
+        if opaque.mm is None:
+            return memoryview(_ffi.buffer(_ffi.cast("char *", opaque.addr), nbytes))
+        return memoryview(opaque.mm)[opaque.offset : opaque.offset + nbytes]
+
+
+class CPUDevice(Compiled):
+    """A CPU device. ``CPU``, ``CPU:1``, ... are separate devices with their own queues."""
+
+    def __init__(self, name: str) -> None:
+        cc = find_cc()
+        if cc is None:
+            raise RuntimeError(
+                "the CPU device needs a C compiler: set CC, or install clang (apt-get install -y clang)"
+            )
+        super().__init__(name, CPUAllocator(self), ClangCompiler(cc), CPUProgram)
+
+    def count(self) -> int:
+        return os.cpu_count() or 1

@@ -1,0 +1,236 @@
+"""Compiler base class and the compile cache.
+
+``await compiler.compile(src)`` turns source into a device binary without touching the event loop
+thread (backends run their toolchain as a subprocess through anyio). ``compile_cached`` puts three
+layers in front of it:
+
+1. an in-memory dict (a hit costs one hash and one dict lookup, plus the checkpoint);
+2. single flight: concurrent calls for the same source share one compilation;
+3. a persistent sqlite cache shared by processes (WAL mode), read and written from worker
+   threads. A corrupt, locked or read-only cache file produces one warning and the compiler
+   carries on without it; it never fails a compile.
+
+Keys include the compiler's identity (path, version banner, flags, target), so a toolchain
+upgrade never returns a stale binary. ``CCACHE=0`` disables both caches, ``ASSERT_COMPILE=1``
+turns a miss into a ``CompileError``, ``CACHEDB`` (else ``$XDG_CACHE_HOME/aiotinyrt/cache.db``,
+else ``~/.cache/aiotinyrt/cache.db``) places the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sqlite3
+import threading
+import warnings
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from aiotinyrt.helpers import getenv, getenv_str
+
+
+class CompileError(RuntimeError):
+    """Compilation failed. ``diagnostics`` holds the compiler's output."""
+
+    def __init__(self, message: str, diagnostics: str = "", src: str = "") -> None:
+        full = f"{message}\n{diagnostics.rstrip()}" if diagnostics else message
+        super().__init__(full)
+        self.diagnostics = diagnostics
+        self.src = src
+
+
+def cache_path() -> Path:
+    """Where the persistent compile cache lives (``CACHEDB`` wins over ``XDG_CACHE_HOME``)."""
+    explicit = getenv_str("CACHEDB")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = getenv_str("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "aiotinyrt" / "cache.db"
+
+
+class DiskCache:
+    """The sqlite compile cache. Every method blocks, so call it from a worker thread.
+
+    After the first error (corrupt, locked, read-only, disk full) it warns once and turns itself
+    off for the rest of the process.
+    """
+
+    VERSION = 1
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self.disabled = False
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=5.0, check_same_thread=False, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS compile_v{self.VERSION} (key TEXT PRIMARY KEY, lib BLOB)"
+                )
+                # a truncated or garbled file often opens fine and fails only here
+                conn.execute(f"SELECT count(*) FROM compile_v{self.VERSION} WHERE key = ''").fetchone()
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    def _give_up(self, exc: BaseException) -> None:
+        self.disabled = True
+        warnings.warn(
+            f"aiotinyrt: compile cache {self.path} is unusable ({exc!r}); compiling without it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            if self.disabled:
+                return None
+            try:
+                row = (
+                    self._connect()
+                    .execute(f"SELECT lib FROM compile_v{self.VERSION} WHERE key = ?", (key,))
+                    .fetchone()
+                )
+            except (sqlite3.Error, OSError) as exc:
+                self._give_up(exc)
+                return None
+            return None if row is None else bytes(row[0])
+
+    def put(self, key: str, lib: bytes) -> None:
+        with self._lock:
+            if self.disabled:
+                return
+            try:
+                self._connect().execute(
+                    f"INSERT OR REPLACE INTO compile_v{self.VERSION} (key, lib) VALUES (?, ?)", (key, lib)
+                )
+            except (sqlite3.Error, OSError) as exc:
+                self._give_up(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+_disk_caches: dict[Path, DiskCache] = {}
+_disk_lock = threading.Lock()
+
+
+def disk_cache() -> DiskCache:
+    """The process-wide DiskCache for the current cache path."""
+    path = cache_path()
+    with _disk_lock:
+        cache = _disk_caches.get(path)
+        if cache is None:
+            cache = _disk_caches[path] = DiskCache(path)
+        return cache
+
+
+class Compiler:
+    """Source to device binary. Backends override :meth:`compile` (and :meth:`identity`).
+
+    ``cachekey`` names the backend in cache keys; None disables caching for this compiler.
+    """
+
+    def __init__(self, cachekey: str | None = None) -> None:
+        self.cachekey = cachekey
+        self._memory: dict[str, bytes] = {}
+        self._inflight: dict[str, anyio.Event] = {}
+        self._identity: str | None = None
+        self.compiles = 0  # compilations actually run by this compiler
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.cachekey}>"
+
+    async def compile(self, src: str) -> bytes:
+        """Compile ``src`` to a binary, off the event loop thread. Raises ``CompileError``.
+
+        Cancellation: the compiler process is killed; nothing is cached.
+        """
+        raise NotImplementedError
+
+    async def identity(self) -> str:
+        """A string that changes whenever the binaries this compiler produces could change
+        (toolchain path and version, flags, target). Part of every cache key."""
+        return self.cachekey or type(self).__name__
+
+    def disassemble(self, lib: bytes) -> str:
+        """Human-readable disassembly of a binary, where the backend has a disassembler."""
+        raise NotImplementedError(f"{type(self).__name__} has no disassembler")
+
+    async def _key(self, src: str) -> str:
+        if self._identity is None:
+            self._identity = await self.identity()
+        digest = hashlib.sha256()
+        digest.update(self._identity.encode())
+        digest.update(b"\0")
+        digest.update(src.encode())
+        return digest.hexdigest()
+
+    async def compile_cached(self, src: str) -> bytes:
+        """``compile`` through the in-memory and persistent caches, one compilation per source
+        even when many tasks ask at once.
+
+        Cancellation: cancels this caller's wait. If this caller was the one running the
+        compiler, the process is killed and the next caller waiting for the same source runs it
+        again.
+        """
+        if not isinstance(src, str):
+            raise TypeError(f"source must be a str, got {type(src).__name__}")
+        if self.cachekey is None or getenv("CCACHE", 1) == 0:
+            await anyio.lowlevel.checkpoint()
+            if getenv("ASSERT_COMPILE"):
+                raise CompileError("ASSERT_COMPILE=1 and the compile cache is off", src=src)
+            return await self._compile_counted(src)
+        key = await self._key(src)
+        lib = self._memory.get(key)
+        if lib is not None:
+            await anyio.lowlevel.checkpoint()
+            return lib
+        while (event := self._inflight.get(key)) is not None:
+            await event.wait()
+            lib = self._memory.get(key)
+            if lib is not None:
+                return lib
+        done = self._inflight[key] = anyio.Event()
+        try:
+            cache = disk_cache()
+            lib = await anyio.to_thread.run_sync(cache.get, key)
+            if lib is None:
+                if getenv("ASSERT_COMPILE"):
+                    raise CompileError(f"ASSERT_COMPILE=1 and a compile cache miss ({cache.path})", src=src)
+                lib = await self._compile_counted(src)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(cache.put, key, lib)
+            self._memory[key] = lib
+            return lib
+        finally:
+            del self._inflight[key]
+            done.set()
+
+    async def _compile_counted(self, src: str) -> bytes:
+        self.compiles += 1
+        return await self.compile(src)
+
+
+def compile_timeout() -> float:
+    """Seconds a compiler process may run (env ``COMPILE_TIMEOUT_S``, default 120)."""
+    return float(os.environ.get("COMPILE_TIMEOUT_S", "") or 120)

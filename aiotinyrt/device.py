@@ -1,0 +1,415 @@
+"""The device registry and Compiled, the base class of every device.
+
+``Device["CPU"]`` opens a backend found by scanning ``aiotinyrt/backends/ops_*.py`` (the module
+``ops_cpu`` provides ``CPUDevice``) and returns the one instance per canonical name. Every opened
+device is finalized at interpreter exit: queued work is dropped (its signals fail) and workers are
+given a bounded time to finish the command they are running, so exit never hangs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import os
+import pkgutil
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+
+import aiotinyrt.backends
+from aiotinyrt.allocator import Allocator
+from aiotinyrt.compiler import Compiler
+from aiotinyrt.helpers import debug_level, getenv_str
+from aiotinyrt.program import DeviceError, HostQueue, Program, Signal
+
+if TYPE_CHECKING:
+    from aiotinyrt.buffer import Buffer
+    from aiotinyrt.renderer import Renderer
+
+# Preferred order when choosing Device.DEFAULT; backends not listed come after, alphabetically.
+_DEFAULT_PRIORITY = ("CUDA", "OPENCL", "CPU")
+_NEVER_DEFAULT = ("NULL",)
+
+
+class Compiled:
+    """One device: its queues and timelines, allocator, compiler, renderer and program loader.
+
+    Backends pass their components to ``__init__``; everything shared (validation, ordering,
+    synchronisation, errors, lifetime) lives here.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        allocator: Allocator[Any],
+        compiler: Compiler,
+        runtime: Callable[..., Program],
+        renderer: Renderer | None = None,
+        queues: Sequence[str] = ("compute", "copy"),
+    ) -> None:
+        self.name = name
+        self._allocator = allocator
+        self._compiler = compiler
+        self._runtime = runtime
+        self._renderer = renderer
+        self.queues: dict[str, HostQueue] = {q: HostQueue(self, q) for q in queues}
+        self._compute_queue = self.queues[queues[0]]
+        self._copy_queue = self.queues[queues[-1]]
+        self._error: DeviceError | None = None
+        self._closed = False
+        if debug_level() >= 1:
+            print(f"opened device {name} ({type(self).__name__})")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    # ---- components -----------------------------------------------------------------------------
+    @property
+    def allocator(self) -> Allocator[Any]:
+        """This device's memory allocator."""
+        return self._allocator
+
+    @property
+    def compiler(self) -> Compiler:
+        """This device's compiler (source -> binary, with a persistent cache)."""
+        return self._compiler
+
+    @property
+    def renderer(self) -> Renderer | None:
+        """This device's renderer (portable kernel -> source), if it has one."""
+        return self._renderer
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def timelines(self) -> list[Any]:
+        """The timeline of every queue of this device."""
+        return [q.timeline for q in self.queues.values()]
+
+    def count(self) -> int:
+        """How many devices of this backend this machine offers (``CPU``: one per core)."""
+        return 1
+
+    # ---- programs -----------------------------------------------------------------------------
+    def runtime(self, name: str, lib: bytes) -> Program:
+        """Load a compiled kernel. Cheap and synchronous."""
+        self._check_open()
+        return self._runtime(self, name, lib)
+
+    async def program(self, name: str, src: str) -> Program:
+        """Compile (through the cache) and load a kernel from source.
+
+        Cancellation: cancels the wait; a compile already running finishes in the background
+        and its result is cached.
+        """
+        self._check_open()
+        lib = await self.compiler.compile_cached(src)
+        return self._runtime(self, name, lib, src=src)
+
+    async def run(self, prog: Program, *bufs: Buffer, **kwargs: Any) -> float:
+        """Launch ``prog`` and wait for it; returns the device execution time in seconds.
+
+        Cancellation: cancels the wait only; the launch runs to completion.
+        """
+        if not isinstance(prog, Program):
+            raise TypeError(f"run() needs a Program, got {type(prog).__name__}")
+        if prog.device is not self:
+            raise ValueError(f"{prog!r} belongs to {prog.device.name}, not {self.name}")
+        return await prog(*bufs, **kwargs)
+
+    # ---- synchronisation ------------------------------------------------------------------------
+    def _latest(self) -> list[Signal]:
+        return [Signal(q.timeline, q.timeline.submitted) for q in self.queues.values()]
+
+    def _barrier(self) -> tuple[Signal, ...]:
+        """Signals of the last command of every queue, where not yet done."""
+        return tuple(s for s in self._latest() if not s.done())
+
+    async def _settle(self) -> None:
+        for sig in self._latest():
+            await sig._settle()
+
+    async def synchronize(self) -> None:
+        """Wait for everything submitted to this device so far (a gather over its timelines).
+
+        Raises this device's sticky ``DeviceError`` if a command failed.
+
+        Cancellation: cancels the wait only; the work continues.
+        """
+        await self._settle()
+        if self._error is not None:
+            raise self._error
+
+    async def reset(self) -> None:
+        """Wait for queued work to drain, then clear the sticky error so the device runs again.
+
+        Cancellation: cancelled while draining, the error stays set.
+        """
+        await self._settle()
+        self._error = None
+
+    async def aclose(self) -> None:
+        """Wait for queued work, stop the workers, release cached memory and unregister.
+
+        ``Device[name]`` afterwards opens a fresh device. Does not raise the sticky error.
+
+        Cancellation: shielded; closing always completes.
+        """
+        with anyio.CancelScope(shield=True):
+            await self._settle()
+            self._shutdown(drop_queued=True, join_timeout=None)
+
+    def _shutdown(self, *, drop_queued: bool, join_timeout: float | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for q in self.queues.values():
+            q.stop(drop_queued=drop_queued, join_timeout=join_timeout)
+        with contextlib.suppress(Exception):
+            self.allocator.free_cache()
+        Device._forget(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeviceError(f"{self.name} is closed", device=self.name)
+
+    def _fail(self, exc: BaseException, sig: Signal) -> DeviceError:
+        """Turn an exception raised by a command into the device's sticky error. Worker thread."""
+        error = DeviceError(
+            f"{self.name}: command {sig.timeline.label}@{sig.value} failed: {exc!r}",
+            device=self.name,
+            cause=exc,
+        )
+        if self._error is None:
+            self._error = error
+        return error
+
+    # ---- submission (internal; Program and Buffer call these) -----------------------------------
+    def _launch_handles(self, kernel: str, bufs: tuple[Buffer, ...]) -> tuple[Any, ...]:
+        from aiotinyrt.buffer import Buffer
+
+        handles = []
+        for i, b in enumerate(bufs):
+            if not isinstance(b, Buffer):
+                raise TypeError(f"{kernel}: argument {i} must be a Buffer, got {type(b).__name__}")
+            if b.device != self.name:
+                raise ValueError(
+                    f"{kernel}: buffer {i} is on {b.device}, not {self.name}; move it with copy_from"
+                )
+            handles.append(b.handle())
+        return tuple(handles)
+
+    def _submit_launch(
+        self,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        bufs: tuple[Buffer, ...],
+        deps: tuple[Signal, ...],
+        writes: Sequence[int] | None,
+        keep: object = None,
+    ) -> Signal:
+        self._check_open()
+        queue = self._compute_queue
+        timeline = queue.timeline
+        extra: list[Signal] = []
+        for i, b in enumerate(bufs):
+            extra.extend(b.dependencies(timeline, writes is None or i in writes))
+        if extra:
+            deps = deps + tuple(extra)
+        sig = queue.submit(fn, args, deps, keep=(bufs, keep))
+        for i, b in enumerate(bufs):
+            b.record(sig, writes is None or i in writes)
+        return sig
+
+    async def _submit_copy(self, dest: Buffer, src: Buffer) -> None:
+        """Copy ``src`` into ``dest`` (a buffer of this device) and wait for it."""
+        self._check_open()
+        src_dev = src.device_obj
+        dst_handle, src_handle = dest.handle(), src.handle()
+        queue = self._copy_queue
+        alloc = self.allocator
+        if src_dev is self or alloc._can_transfer_from(src_dev):
+            deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
+            sig = queue.submit(
+                alloc._transfer, (dst_handle, src_handle, dest.nbytes, src_dev), deps, keep=(dest, src)
+            )
+            src.record(sig, False)
+            dest.record(sig, True)
+            await sig
+            return
+        # staging through host memory: the source's worker copies out, this worker copies in
+        src_dev.allocator.check_copyout()
+        staging = memoryview(bytearray(src.nbytes))
+        src_queue = src_dev._copy_queue
+        out_sig = src_queue.submit(
+            src_dev.allocator._copyout,
+            (staging, src_handle),
+            tuple(src.dependencies(src_queue.timeline, False)),
+            keep=(src, staging),
+        )
+        src.record(out_sig, False)
+        deps = (out_sig, *dest.dependencies(queue.timeline, True))
+        in_sig = queue.submit(alloc._copyin, (dst_handle, staging), deps, keep=(dest, staging))
+        dest.record(in_sig, True)
+        await in_sig
+
+    async def _submit_transfer(
+        self, dest: Any, src: Any, nbytes: int, src_dev: Compiled, deps: tuple[Signal, ...], keep: object
+    ) -> None:
+        """Raw-handle transfer used by ``Allocator.transfer``."""
+        self._check_open()
+        queue = self._copy_queue
+        if src_dev is self or self.allocator._can_transfer_from(src_dev):
+            await queue.submit(self.allocator._transfer, (dest, src, nbytes, src_dev), deps, keep=keep)
+            return
+        src_dev.allocator.check_copyout()
+        staging = memoryview(bytearray(nbytes))
+        out_sig = src_dev._copy_queue.submit(src_dev.allocator._copyout, (staging, src), deps, keep=keep)
+        await queue.submit(self.allocator._copyin, (dest, staging), (out_sig,), keep=(keep, staging))
+
+
+class _DeviceRegistry:
+    """``Device[name]``: one opened :class:`Compiled` per canonical device name."""
+
+    def __init__(self) -> None:
+        self._opened: dict[str, Compiled] = {}
+        self._lock = threading.RLock()
+        self._atexit_registered = False
+
+    @property
+    def backends(self) -> list[str]:
+        """Backend names found in ``aiotinyrt/backends/ops_*.py`` (upper-case)."""
+        return sorted(
+            m.name[len("ops_") :].upper()
+            for m in pkgutil.iter_modules(aiotinyrt.backends.__path__)
+            if m.name.startswith("ops_")
+        )
+
+    @staticmethod
+    def canonicalize(name: str) -> str:
+        """``cpu`` -> ``CPU``, ``CPU:0`` -> ``CPU``, ``cpu:1`` -> ``CPU:1``; anything after the
+        first colon keeps its case (``DISK:/Path``)."""
+        if not isinstance(name, str):
+            raise TypeError(f"device name must be a str, got {type(name).__name__}")
+        backend, sep, rest = name.partition(":")
+        out = backend.upper() + sep + rest
+        return out[:-2] if out.endswith(":0") else out
+
+    def _backend_class(self, backend: str) -> Callable[[str], Compiled]:
+        if backend not in self.backends:
+            raise ValueError(
+                f"unknown device backend {backend!r}; available backends: {', '.join(self.backends)}"
+            )
+        module = importlib.import_module(f"aiotinyrt.backends.ops_{backend.lower()}")
+        cls: Callable[[str], Compiled] = getattr(module, f"{backend}Device")
+        return cls
+
+    def __getitem__(self, name: str) -> Compiled:
+        canonical = self.canonicalize(name)
+        device = self._opened.get(canonical)
+        if device is not None:
+            return device
+        backend, _, suffix = canonical.partition(":")
+        if not backend:
+            raise ValueError(f"empty device name {name!r}")
+        with self._lock:
+            device = self._opened.get(canonical)
+            if device is not None:
+                return device
+            cls = self._backend_class(backend)
+            if suffix and not getattr(cls, "accepts_path", False) and not suffix.isdigit():
+                raise ValueError(f"bad device name {name!r}: the part after ':' must be a device index")
+            device = cls(canonical)
+            self._opened[canonical] = device
+            if not self._atexit_registered:
+                atexit.register(self._finalize_all)
+                self._atexit_registered = True
+            return device
+
+    def __contains__(self, name: str) -> bool:
+        return self.canonicalize(name) in self._opened
+
+    def opened(self) -> list[Compiled]:
+        """Devices currently open, in the order they were opened."""
+        return list(self._opened.values())
+
+    def _forget(self, device: Compiled) -> None:
+        with self._lock:
+            if self._opened.get(device.name) is device:
+                del self._opened[device.name]
+
+    @property
+    def DEFAULT(self) -> str:
+        """Env ``DEV`` if set, else the first backend that opens here (never NULL)."""
+        env = getenv_str("DEV")
+        if env:
+            return self.canonicalize(env)
+        order = [b for b in _DEFAULT_PRIORITY if b in self.backends]
+        order += [b for b in self.backends if b not in order and b not in _NEVER_DEFAULT]
+        for backend in order:
+            try:
+                self[backend]
+            except Exception:
+                continue
+            return backend
+        raise RuntimeError(f"no device opens here (backends tried: {', '.join(order)})")
+
+    def _finalize_all(self) -> None:
+        """Interpreter exit: drop queued work and stop workers, with a bounded wait."""
+        for device in self.opened():
+            with contextlib.suppress(Exception):
+                device._shutdown(drop_queued=True, join_timeout=float(os.environ.get("EXIT_JOIN_S", "2")))
+
+
+Device = _DeviceRegistry()
+
+
+def get_available_devices() -> list[str]:
+    """Names of the backends that open on this machine."""
+    out = []
+    for backend in Device.backends:
+        try:
+            Device[backend]
+        except Exception:
+            continue
+        out.append(backend)
+    return out
+
+
+async def synchronize(*devices: Compiled | str) -> None:
+    """Wait for every given device (default: every opened device), concurrently; then raise the
+    first device's sticky error, if any.
+
+    Cancellation: cancels the waits only; the work continues.
+    """
+    devs = [Device[d] if isinstance(d, str) else d for d in devices] or Device.opened()
+    if not devs:
+        await anyio.lowlevel.checkpoint()
+        return
+    async with anyio.create_task_group() as tg:
+        for dev in devs:
+            tg.start_soon(dev._settle)
+    for dev in devs:
+        if dev._error is not None:
+            raise dev._error
+
+
+@contextlib.asynccontextmanager
+async def open_device(name: str) -> AsyncIterator[Compiled]:
+    """``async with open_device("CPU:1") as dev``: the device, synchronized and closed on exit.
+
+    Cancellation: the exit path is shielded; the device is always closed.
+    """
+    device = Device[name]
+    try:
+        yield device
+        with anyio.CancelScope(shield=True):
+            await device.synchronize()
+    finally:
+        await device.aclose()

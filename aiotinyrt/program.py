@@ -1,0 +1,597 @@
+"""Timelines, Signals, the host worker queue, and the Program base class.
+
+How completion travels from a device back to an awaiting task
+=============================================================
+
+Every device queue owns one :class:`Timeline`: a monotonic count of the commands that queue has
+finished. Submitting a command gives it the next value on that timeline and returns a
+:class:`Signal` for it, a plain ``(timeline, value)`` pair; the signal is done when
+``timeline.completed >= value``. Polling (``sig.done()``) is one integer comparison, so it is
+safe from any thread and costs nothing.
+
+The host-run backends (CPU, NULL) execute commands on one worker thread per queue
+(:class:`HostQueue`). The worker pops commands in order, waits for the command's cross-queue
+dependencies (signals of *other* timelines; commands on its own timeline are already ordered),
+runs it, stores the elapsed time and any error on the command's signal, and then advances the
+timeline. Advancing fires the *waiters* registered for values now reached.
+
+A waiter is one of two things:
+
+* an internal callback (deferred frees, dependency wake-ups of other workers); these run right
+  there in the worker thread and must be short and must not raise. They run before any task is
+  woken, so a task that wakes from ``synchronize()`` already sees memory released;
+* a task's wake-up: a non-blocking, thread-safe call into the event loop the task runs on
+  (``loop.call_soon_threadsafe`` on asyncio/uvloop, ``TrioToken.run_sync_soon`` on trio) that
+  sets an ``anyio.Event`` the task sleeps on. The worker never waits for the loop to run it.
+
+The only lock is the timeline's small waiter lock. Registering a waiter pushes it on a heap under
+that lock and then re-reads ``completed``; the worker stores ``completed`` before it looks at the
+heap. Whichever side comes second sees the other's write, so a wake-up cannot be lost; firing is
+idempotent, so a wake-up may harmlessly happen twice.
+
+Cancellation: a task that stops waiting (timeout, cancel scope, task-group failure) marks its
+heap entry dead and leaves. The command itself is not touched: it runs to completion, and every
+buffer it uses stays referenced by the queued command until then. Cancellation cancels the wait,
+never the work.
+
+Failure: an exception raised by a command is stored on its signal as a :class:`DeviceError`
+and made sticky on the device; later commands of that device are not run (their signals fail
+with the same error) until ``await dev.reset()``. Commands are never dropped silently: closing or
+finalizing a device fails what it did not run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import anyio
+import anyio.lowlevel
+
+from aiotinyrt.helpers import getenv
+
+if TYPE_CHECKING:
+    from aiotinyrt.buffer import Buffer
+    from aiotinyrt.device import Compiled
+
+
+class DeviceError(RuntimeError):
+    """A command failed on a device (the original exception is ``__cause__``), or the device is
+    in a state where it cannot run work (closed, finalized).
+
+    ``device`` names the device; ``cause`` is the exception raised by the failing command, if any.
+    """
+
+    def __init__(self, message: str, *, device: str = "", cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.device = device
+        self.cause = cause
+        if cause is not None:
+            self.__cause__ = cause
+
+
+def _loop_waker(fn: Callable[[], object]) -> Callable[[], None]:
+    """Return a callable that, from any thread, schedules ``fn`` on the calling task's event loop
+    without blocking. Must be called from inside a running event loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None:
+
+        def wake_asyncio() -> None:
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:  # the loop was closed: nobody is waiting any more
+                pass
+
+        return wake_asyncio
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+
+    def wake_trio() -> None:
+        try:
+            token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            pass
+
+    return wake_trio
+
+
+class _Waiter:
+    """One registered interest in a timeline value. ``callback`` is None once it fired or was
+    abandoned."""
+
+    __slots__ = ("callback", "internal")
+
+    def __init__(self, callback: Callable[[], None], internal: bool) -> None:
+        self.callback: Callable[[], None] | None = callback
+        self.internal = internal
+
+
+class Timeline:
+    """A monotonic counter of the commands one device queue has completed.
+
+    ``completed`` is written only by the queue's executor; ``submitted`` only under the queue's
+    submit lock. A :class:`Signal` ``(timeline, value)`` is done when ``completed >= value``.
+    """
+
+    __slots__ = ("_heap", "_lock", "_seq", "completed", "device", "name", "submitted")
+
+    def __init__(self, device: str, name: str) -> None:
+        self.device = device
+        self.name = name
+        self.completed = 0
+        self.submitted = 0
+        self._lock = threading.Lock()
+        self._heap: list[tuple[int, int, _Waiter]] = []
+        self._seq = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"<Timeline {self.device}/{self.name} completed={self.completed} submitted={self.submitted}>"
+
+    @property
+    def label(self) -> str:
+        """``"CPU/compute"``: the device and queue this timeline counts."""
+        return f"{self.device}/{self.name}"
+
+    def add_waiter(self, value: int, callback: Callable[[], None], *, internal: bool = False) -> _Waiter:
+        """Call ``callback`` once ``completed >= value`` (at once, in this thread, if it already is).
+
+        Internal callbacks run in the thread that advances the timeline and must not raise or
+        block; task wake-ups must be non-blocking thread-safe calls into a loop.
+        """
+        waiter = _Waiter(callback, internal)
+        if self.completed >= value:
+            waiter.callback = None
+            callback()
+            return waiter
+        with self._lock:
+            heapq.heappush(self._heap, (value, next(self._seq), waiter))
+        if self.completed >= value:  # the executor advanced while we registered
+            self.fire_due()
+        return waiter
+
+    def advance(self, value: int) -> None:
+        """Mark every command up to ``value`` complete and fire the waiters that reached it."""
+        self.completed = value
+        if self._heap:
+            self.fire_due()
+
+    def fire_due(self) -> None:
+        """Fire every waiter whose value has been reached: internal callbacks first, then wake-ups."""
+        due: list[_Waiter] = []
+        with self._lock:
+            heap, done = self._heap, self.completed
+            while heap and heap[0][0] <= done:
+                due.append(heapq.heappop(heap)[2])
+        wakeups: list[Callable[[], None]] = []
+        for waiter in due:
+            callback, waiter.callback = waiter.callback, None
+            if callback is None:
+                continue
+            if waiter.internal:
+                callback()
+            else:
+                wakeups.append(callback)
+        for callback in wakeups:
+            callback()
+
+    def pending_waiters(self) -> int:
+        """Number of live waiters (for statistics and tests)."""
+        with self._lock:
+            return sum(1 for _, _, w in self._heap if w.callback is not None)
+
+
+class Signal:
+    """The completion of one command: ``(timeline, value)``.
+
+    ``await sig`` waits for the command and returns its device execution time in seconds;
+    ``sig.done()`` polls. Any number of tasks, on any event loop, may await one signal.
+    """
+
+    __slots__ = ("_elapsed", "_error", "timeline", "value")
+
+    def __init__(self, timeline: Timeline, value: int) -> None:
+        self.timeline = timeline
+        self.value = value
+        self._elapsed = 0.0
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("done" if self.done() else "pending")
+        return f"<Signal {self.timeline.label}@{self.value} {state}>"
+
+    def done(self) -> bool:
+        """True once the command finished (successfully or not). Never blocks; any thread."""
+        return self.timeline.completed >= self.value
+
+    def failed(self) -> bool:
+        """True if the command finished with an error."""
+        return self.done() and self._error is not None
+
+    def result(self) -> float:
+        """The device seconds of a finished command; raises its ``DeviceError`` if it failed,
+        ``RuntimeError`` if it has not finished yet."""
+        if not self.done():
+            raise RuntimeError(f"{self!r} has not completed")
+        if self._error is not None:
+            raise self._error
+        return self._elapsed
+
+    def __await__(self) -> Generator[Any, None, float]:
+        return self.wait().__await__()
+
+    async def wait(self, timeout: float | None = None) -> float:
+        """Wait until the command completes; return its device execution time in seconds.
+
+        ``timeout`` (seconds; default: env ``WAIT_TIMEOUT_MS``, unset = no limit) raises
+        :class:`TimeoutError` naming the device, the timeline and its completed and awaited
+        values. Raises :class:`DeviceError` if the command failed.
+
+        Cancellation: cancelling the wait (or a timeout) abandons only the wait; the command keeps
+        running to completion and every buffer it uses stays alive until it does. Always a
+        checkpoint, even when the signal is already done.
+        """
+        await self._settle(timeout)
+        return self.result()
+
+    async def _settle(self, timeout: float | None = None) -> None:
+        """Wait until done without raising the command's error (see :meth:`wait`)."""
+        if timeout is None:
+            ms = getenv("WAIT_TIMEOUT_MS")
+            timeout = ms / 1000 if ms > 0 else None
+        timeline, value = self.timeline, self.value
+        if timeline.completed >= value:
+            await anyio.lowlevel.checkpoint()
+            return
+        event = anyio.Event()
+        waiter = timeline.add_waiter(value, _loop_waker(event.set))
+        try:
+            if timeout is None:
+                await event.wait()
+            else:
+                with anyio.move_on_after(timeout):
+                    await event.wait()
+                if timeline.completed < value:
+                    raise TimeoutError(
+                        f"{timeline.device}: timeline {timeline.name} not set to {value}, "
+                        f"but {timeline.completed} after {timeout:g} s (the work keeps running)"
+                    )
+        finally:
+            waiter.callback = None
+
+
+def wait_in_thread(signals: Sequence[Signal]) -> None:
+    """Block the calling (non-loop) thread until every signal is done. Used by workers to resolve
+    cross-queue dependencies, never by the event loop thread."""
+    pending = [s for s in signals if s.timeline.completed < s.value]
+    if not pending:
+        return
+    event = threading.Event()
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            event.set()
+
+    for sig in pending:
+        sig.timeline.add_waiter(sig.value, one_done, internal=True)
+    event.wait()
+
+
+def when_all_done(signals: Sequence[Signal], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once every signal is done: at once in this thread if they already are,
+    otherwise in the worker thread that completes the last one. ``fn`` must not raise or block."""
+    pending = [s for s in signals if s.timeline.completed < s.value]
+    if not pending:
+        fn()
+        return
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            fn()
+
+    for sig in pending:
+        sig.timeline.add_waiter(sig.value, one_done, internal=True)
+
+
+# A queued command: (function, its arguments, its signal, cross-queue dependencies, keep-alive).
+# ``keep`` holds whatever must outlive the command (buffers, host memory) until it has run.
+Command = tuple[Callable[..., object] | None, tuple[Any, ...], Signal, tuple[Signal, ...], object]
+
+
+class HostQueue:
+    """One in-order device queue executed by a dedicated worker thread.
+
+    Submission is synchronous and cheap (a lock, a counter, a deque append, and a wake-up only
+    when the worker sleeps). The worker runs commands in order; a command with dependencies on
+    other timelines blocks the worker (not the loop) until they are done.
+    """
+
+    def __init__(self, device: Compiled, name: str) -> None:
+        self.device = device
+        self.name = name
+        self.timeline = Timeline(device.name, name)
+        self._commands: deque[Command] = deque()
+        self._submit_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._sleeping = False
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.running: Command | None = None
+
+    def __repr__(self) -> str:
+        return f"<HostQueue {self.timeline.label} queued={len(self._commands)}>"
+
+    def submit(
+        self,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        deps: tuple[Signal, ...] = (),
+        keep: object = None,
+    ) -> Signal:
+        """Enqueue ``fn(*args)`` after ``deps``; return its Signal. Never blocks on the worker."""
+        timeline = self.timeline
+        with self._submit_lock:
+            if self._stopping:
+                raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+            value = timeline.submitted = timeline.submitted + 1
+            sig = Signal(timeline, value)
+            self._commands.append((fn, args, sig, deps, keep))
+            if self._thread is None:
+                self._start()
+        if self._sleeping:
+            self._wake.set()
+        return sig
+
+    def queued(self) -> int:
+        """Commands submitted and not completed (including the one running)."""
+        return self.timeline.submitted - self.timeline.completed
+
+    def _start(self) -> None:
+        thread = threading.Thread(target=self._worker, name=f"aiotinyrt-{self.timeline.label}", daemon=True)
+        self._thread = thread
+        thread.start()
+
+    def _worker(self) -> None:
+        commands, timeline, device = self._commands, self.timeline, self.device
+        perf = time.perf_counter
+        while True:
+            try:
+                command = commands.popleft()
+            except IndexError:
+                self._sleeping = True
+                if not commands:
+                    self._wake.wait()
+                    self._wake.clear()
+                self._sleeping = False
+                continue
+            fn, args, sig, deps, _keep = command
+            if fn is None:  # stop marker
+                timeline.advance(sig.value)
+                return
+            self.running = command
+            error: BaseException | None = None
+            if deps:
+                wait_in_thread(deps)
+                for dep in deps:
+                    if dep._error is not None:
+                        error = DeviceError(
+                            f"{device.name}: not run because a command it depends on failed "
+                            f"({dep.timeline.label}@{dep.value}): {dep._error}",
+                            device=device.name,
+                            cause=dep._error,
+                        )
+                        break
+            if error is None and device._error is not None:
+                error = device._error
+            if error is None:
+                start = perf()
+                try:
+                    fn(*args)
+                except BaseException as exc:
+                    error = device._fail(exc, sig)
+                sig._elapsed = perf() - start
+            if error is not None:
+                sig._error = error
+            self.running = None
+            timeline.advance(sig.value)
+
+    def stop(self, *, drop_queued: bool, join_timeout: float | None) -> None:
+        """Stop the worker after what is queued (or fail what is queued when ``drop_queued``).
+
+        Dropped commands complete with a ``DeviceError`` so nobody waits forever for them.
+        """
+        with self._submit_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            dropped: list[Command] = []
+            if drop_queued:
+                while True:
+                    try:
+                        dropped.append(self._commands.popleft())
+                    except IndexError:
+                        break
+            value = self.timeline.submitted = self.timeline.submitted + 1
+            marker = Signal(self.timeline, value)
+            started = self._thread is not None
+            if started:
+                self._commands.append((None, (), marker, (), None))
+        for _fn, _args, sig, _deps, _keep in dropped:
+            sig._error = DeviceError(
+                f"{self.device.name} was closed before this command ran", device=self.device.name
+            )
+        if not started:
+            self.timeline.advance(value)
+            return
+        self._wake.set()
+        assert self._thread is not None
+        self._thread.join(join_timeout)
+        if dropped and self.timeline.completed < dropped[-1][2].value:
+            # the worker is stuck in a command; mark the dropped ones complete so waiters return
+            self.timeline.advance(max(self.timeline.completed, dropped[-1][2].value))
+
+
+class Program:
+    """One loaded kernel of a device. Calling it enqueues a launch and returns a :class:`Signal`.
+
+    Backends subclass it and provide :meth:`_launcher`, which turns buffer handles, sizes and
+    int values into a ``(function, args)`` pair the device queue runs. The base class owns the
+    argument validation and the ordering of launches against other work on the same memory.
+    """
+
+    #: Most int vals one launch may pass.
+    MAX_VALS: ClassVar[int] = 64
+
+    def __init__(self, device: Compiled, name: str, lib: bytes, *, src: str | None = None) -> None:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"kernel name must be a C identifier, got {name!r}")
+        if not isinstance(lib, (bytes, bytearray, memoryview)):
+            raise TypeError(f"program binary must be bytes, got {type(lib).__name__}")
+        if len(lib) == 0:
+            raise ValueError(f"program binary for {name!r} is empty")
+        self.device = device
+        self.name = name
+        self.lib = bytes(lib)
+        #: Number of buffer and int arguments the kernel takes, when known (from its source).
+        self.buf_count: int | None = None
+        self.val_count: int | None = None
+        if src is not None:
+            signature = parse_c_signature(src, name)
+            if signature is not None:
+                self.buf_count, self.val_count = signature
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} on {self.device.name}>"
+
+    def _launcher(
+        self,
+        handles: tuple[Any, ...],
+        global_size: tuple[int, ...],
+        local_size: tuple[int, ...] | None,
+        vals: tuple[int, ...],
+    ) -> tuple[Callable[..., object], tuple[Any, ...]]:
+        """Return ``(fn, args)`` such that ``fn(*args)`` runs the kernel once, synchronously, on the
+        device queue's worker. Must not run anything itself."""
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        *bufs: Buffer,
+        global_size: Sequence[int] = (1, 1, 1),
+        local_size: Sequence[int] | None = None,
+        vals: Sequence[int] = (),
+        wait_for: Sequence[Signal] = (),
+        writes: Sequence[int] | None = None,
+    ) -> Signal:
+        """Enqueue one launch of this kernel and return its Signal at once.
+
+        ``bufs`` are allocated buffers of this program's device (views allowed); ``vals`` are
+        32-bit ints passed after the buffers; ``wait_for`` adds explicit dependencies on signals
+        of any device; ``writes`` lists the indices of the buffers the kernel writes (default:
+        all of them), which orders it against other work on the same memory. Arguments are
+        checked before anything is enqueued (``TypeError``/``ValueError``).
+        """
+        device = self.device
+        gsz = _check_size("global_size", global_size)
+        lsz = None if local_size is None else _check_size("local_size", local_size)
+        if type(vals) is not tuple:
+            if isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
+                raise TypeError(f"vals must be a sequence of ints, got {type(vals).__name__}")
+            vals = tuple(vals)
+        for v in vals:
+            if type(v) is not int:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise TypeError(f"{self.name}: vals must be ints, got {v!r} ({type(v).__name__})")
+            if not -(2**31) <= v < 2**31:
+                raise ValueError(f"{self.name}: val {v} does not fit in a 32-bit int")
+        if self.buf_count is not None and len(bufs) != self.buf_count:
+            raise TypeError(f"{self.name} takes {self.buf_count} buffers, got {len(bufs)}")
+        if self.val_count is not None and len(vals) != self.val_count:
+            raise TypeError(f"{self.name} takes {self.val_count} int vals, got {len(vals)}")
+        if len(vals) > self.MAX_VALS:
+            raise ValueError(f"{self.name}: at most {self.MAX_VALS} vals, got {len(vals)}")
+        if writes is not None:
+            writes = tuple(writes)
+            for i in writes:
+                if type(i) is not int or not 0 <= i < len(bufs):
+                    raise ValueError(f"{self.name}: writes= index {i!r} is not a buffer index")
+        handles = device._launch_handles(self.name, bufs)
+        deps = _check_wait_for(wait_for)
+        fn, args = self._launcher(handles, gsz, lsz, vals)
+        return device._submit_launch(fn, args, bufs, deps, writes)
+
+
+def _check_size(what: str, size: Sequence[int]) -> tuple[int, ...]:
+    if type(size) is tuple and len(size) == 3 and all(type(s) is int and s > 0 for s in size):
+        return size
+    if isinstance(size, int) or not isinstance(size, Sequence):
+        raise TypeError(f"{what} must be a sequence of 1 to 3 ints, got {size!r}")
+    if not 1 <= len(size) <= 3:
+        raise ValueError(f"{what} must have 1 to 3 dimensions, got {len(size)}")
+    for s in size:
+        if type(s) is not int:
+            raise TypeError(f"{what} must hold ints, got {s!r}")
+        if s <= 0:
+            raise ValueError(f"{what} must be positive in every dimension, got {tuple(size)}")
+    return tuple(size) + (1,) * (3 - len(size))
+
+
+def _check_wait_for(wait_for: Sequence[Signal]) -> tuple[Signal, ...]:
+    if not wait_for:
+        return ()
+    if isinstance(wait_for, Signal):
+        return (wait_for,)
+    deps = tuple(wait_for)
+    for dep in deps:
+        if not isinstance(dep, Signal):
+            raise TypeError(f"wait_for must hold Signals, got {type(dep).__name__}")
+    return deps
+
+
+def fmt_time(seconds: float) -> str:
+    """Format a duration for humans (``12.3 µs``)."""
+    if math.isnan(seconds):
+        return "n/a"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+_C_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def parse_c_signature(src: str, name: str) -> tuple[int, int] | None:
+    """Count the pointer (buffer) and scalar (int) parameters of C function ``name`` in ``src``.
+
+    Returns None when the definition cannot be found (the launch is then not checked).
+    """
+    code = _C_COMMENT.sub(" ", src)
+    match = re.search(rf"\b{re.escape(name)}\s*\(([^)]*)\)\s*\{{", code)
+    if match is None:
+        return None
+    params = [p.strip() for p in match.group(1).split(",") if p.strip() and p.strip() != "void"]
+    bufs = sum(1 for p in params if "*" in p)
+    return bufs, len(params) - bufs
