@@ -22,12 +22,12 @@ import anyio.lowlevel
 
 import aiotinyrt.backends
 from aiotinyrt.allocator import Allocator
+from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
 from aiotinyrt.helpers import debug_level, getenv_str
 from aiotinyrt.program import DeviceError, HostQueue, Program, Signal
 
 if TYPE_CHECKING:
-    from aiotinyrt.buffer import Buffer
     from aiotinyrt.renderer import Renderer
 
 # Preferred order when choosing Device.DEFAULT; backends not listed come after, alphabetically.
@@ -191,19 +191,21 @@ class Compiled:
         return error
 
     # ---- submission (internal; Program and Buffer call these) -----------------------------------
-    def _launch_handles(self, kernel: str, bufs: tuple[Buffer, ...]) -> tuple[Any, ...]:
-        from aiotinyrt.buffer import Buffer
-
+    def _launch_handles(self, kernel: str, bufs: tuple[Buffer, ...]) -> list[Any]:
         handles = []
-        for i, b in enumerate(bufs):
+        for b in bufs:
+            # fast path: an allocated base buffer of this device
+            if type(b) is Buffer and b.device == self.name and b._base is None and b._handle is not None:
+                handles.append(b._handle)
+                continue
             if not isinstance(b, Buffer):
-                raise TypeError(f"{kernel}: argument {i} must be a Buffer, got {type(b).__name__}")
+                raise TypeError(f"{kernel}: arguments must be Buffers, got {type(b).__name__}")
             if b.device != self.name:
                 raise ValueError(
-                    f"{kernel}: buffer {i} is on {b.device}, not {self.name}; move it with copy_from"
+                    f"{kernel}: buffer {b!r} is on {b.device}, not {self.name}; move it with copy_from"
                 )
             handles.append(b.handle())
-        return tuple(handles)
+        return handles
 
     def _submit_launch(
         self,
@@ -211,18 +213,26 @@ class Compiled:
         args: tuple[Any, ...],
         bufs: tuple[Buffer, ...],
         deps: tuple[Signal, ...],
-        writes: Sequence[int] | None,
+        writes: frozenset[int] | None,
         keep: object = None,
     ) -> Signal:
-        self._check_open()
+        if self._closed:
+            raise DeviceError(f"{self.name} is closed", device=self.name)
         queue = self._compute_queue
         timeline = queue.timeline
         extra: list[Signal] = []
         for i, b in enumerate(bufs):
-            extra.extend(b.dependencies(timeline, writes is None or i in writes))
+            base = b._base or b
+            last = base._last_write
+            if last is not None and last.timeline is not timeline and last.timeline.completed < last.value:
+                extra.append(last)
+            if base._reads and (writes is None or i in writes):
+                extra.extend(
+                    r for r in base._reads if r.timeline is not timeline and r.timeline.completed < r.value
+                )
         if extra:
             deps = deps + tuple(extra)
-        sig = queue.submit(fn, args, deps, keep=(bufs, keep))
+        sig = queue.submit(fn, args, deps, (bufs, keep))
         for i, b in enumerate(bufs):
             b.record(sig, writes is None or i in writes)
         return sig

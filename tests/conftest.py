@@ -1,0 +1,36 @@
+"""Shared fixtures: every async test runs on asyncio (debug mode), trio, and uvloop when installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_BACKENDS = [
+    pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+    pytest.param(("trio", {}), id="trio"),
+]
+if importlib.util.find_spec("uvloop") is not None:
+    _BACKENDS.append(pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"))
+
+
+@pytest.fixture(params=_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    """The event loop each async test runs on."""
+    return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point the persistent compile cache at a per-session file, so tests never touch ~/.cache."""
+    path = tmp_path_factory.mktemp("cache") / "cache.db"
+    old = os.environ.get("CACHEDB")
+    os.environ["CACHEDB"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("CACHEDB", None)
+    else:
+        os.environ["CACHEDB"] = old
