@@ -1,4 +1,4 @@
-"""Command line: ``python -m aiotinyrt demo [--loop asyncio|trio|uvloop]``, ``python -m aiotinyrt devices``."""
+"""Command line: ``python -m aiotinyrt demo [--loop asyncio|trio|uvloop]`` and ``... devices``."""
 
 from __future__ import annotations
 

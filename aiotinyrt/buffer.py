@@ -2,13 +2,14 @@
 
 Ordering (hazards)
 ------------------
-Every command that touches a buffer reads or writes its *base* allocation. The base remembers
-the signal of the last write and the signals of the reads since then. A new command depends on
-the last write (read-after-write) and, if it writes, on those reads (write-after-read) and the
-last write (write-after-write). Dependencies on the same queue are implied by its order and are
-dropped; the rest are resolved by the device worker that runs the command, never by the event
-loop. Tracking is per base allocation: two disjoint views of one base are ordered as if they
-overlapped (conservative, never wrong).
+Every command that touches a buffer reads or writes a byte range ``[offset, offset + nbytes)``
+of its *base* allocation. The base keeps a short list of the accesses still worth knowing about:
+``(start, end, signal, is_write)``. A new access depends on every overlapping write
+(read-after-write, write-after-write) and, if it writes, on every overlapping read
+(write-after-read). Dependencies on the command's own queue are implied by that queue's order
+and dropped; the rest are resolved by the device worker that runs the command, never by the
+event loop. A write forgets the accesses it fully covers (it is ordered after them, so anything
+later that overlaps them overlaps it too); disjoint views never wait for each other.
 
 Free
 ----
@@ -43,13 +44,13 @@ class Buffer:
     """
 
     __slots__ = (
+        "_accesses",
         "_base",
         "_freed",
         "_handle",
-        "_last_write",
-        "_reads",
         "device",
         "dtype",
+        "nbytes",
         "offset",
         "options",
         "size",
@@ -80,21 +81,17 @@ class Buffer:
         self.dtype = dtype
         self.options = options
         self.offset = offset
+        self.nbytes = size * dtype.itemsize  #: size in bytes
         self._base = base
         self._handle: Any = None
         self._freed = False
-        self._last_write: Signal | None = None
-        self._reads: list[Signal] = []
+        # on a base: (start, end, signal, is_write) of accesses that may still be pending
+        self._accesses: list[tuple[int, int, Signal, bool]] = []
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else ("allocated" if self.is_allocated() else "unallocated")
         view = f" view of +{self.offset}" if self._base is not None else ""
         return f"<Buffer {self.device} size={self.size} dtype={self.dtype}{view} {state}>"
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return self.size * self.dtype.itemsize
 
     @property
     def base(self) -> Buffer:
@@ -141,11 +138,7 @@ class Buffer:
 
     def pending(self) -> list[Signal]:
         """Signals of work still using this buffer's memory (reads and writes not yet done)."""
-        base = self.base
-        sigs = [s for s in base._reads if not s.done()]
-        if base._last_write is not None and not base._last_write.done():
-            sigs.append(base._last_write)
-        return sigs
+        return [sig for _, _, sig, _ in self.base._accesses if sig.timeline.completed < sig.value]
 
     async def free(self) -> None:
         """Free the buffer. The memory is released when the work using it completes; this does not
@@ -169,7 +162,7 @@ class Buffer:
         handle, self._handle = self._handle, None
         self._freed = True
         pending = self.pending()
-        self._reads, self._last_write = [], None
+        self._accesses = []
         self.device_obj.allocator.free_nowait(handle, self.nbytes, self.options, after=pending)
 
     async def __aenter__(self) -> Buffer:
@@ -224,28 +217,48 @@ class Buffer:
 
     def dependencies(self, timeline: Timeline, write: bool) -> list[Signal]:
         """Signals on other timelines that a new access on ``timeline`` must wait for."""
-        base = self.base
-        deps: list[Signal] = []
-        last = base._last_write
-        if last is not None and last.timeline is not timeline and last.timeline.completed < last.value:
-            deps.append(last)
-        if write:
-            for read in base._reads:
-                if read.timeline is not timeline and read.timeline.completed < read.value:
-                    deps.append(read)
-        return deps
+        accesses = self.base._accesses
+        if not accesses:
+            return []
+        start = self.offset
+        end = start + self.nbytes
+        return [
+            sig
+            for a_start, a_end, sig, a_write in accesses
+            if (a_write or write)
+            and a_start < end
+            and start < a_end
+            and sig.timeline is not timeline
+            and sig.timeline.completed < sig.value
+        ]
 
     def record(self, sig: Signal, write: bool) -> None:
-        """Remember that the command of ``sig`` reads or writes this buffer's memory."""
-        base = self.base
+        """Remember that the command of ``sig`` reads or writes this buffer's bytes."""
+        base = self._base
+        start = self.offset
+        end = start + self.nbytes
+        if base is None:
+            if write:  # a whole-buffer write covers every earlier access
+                self._accesses = [(0, end, sig, True)]
+                return
+            base = self
+        accesses = base._accesses
         if write:
-            base._last_write = sig
-            base._reads = []
-        else:
-            reads = base._reads
-            if len(reads) >= 16:
-                reads[:] = [r for r in reads if not r.done()]
-            reads.append(sig)
+            accesses = [a for a in accesses if not (start <= a[0] and a[1] <= end)]
+        elif len(accesses) >= 16:
+            accesses = [a for a in accesses if a[2].timeline.completed < a[2].value]
+        accesses.append((start, end, sig, write))
+        base._accesses = accesses
+
+    def pending_writes(self) -> list[Signal]:
+        """Signals of writes to this buffer's bytes that are not done yet."""
+        start = self.offset
+        end = start + self.nbytes
+        return [
+            sig
+            for a_start, a_end, sig, a_write in self.base._accesses
+            if a_write and a_start < end and start < a_end and sig.timeline.completed < sig.value
+        ]
 
     # ---- copies -----------------------------------------------------------------------------------
     def _check_host(self, mv: object, writable: bool, what: str) -> memoryview:
@@ -298,9 +311,10 @@ class Buffer:
         """
         handle = self.handle()
         device = self.device_obj
-        last = self.base._last_write
-        if last is not None:
-            await last.wait()
+        writes = self.pending_writes()
+        if writes:
+            for sig in writes:
+                await sig.wait()
         else:
             await anyio.lowlevel.checkpoint()
         view = device.allocator._as_memoryview(handle, self.nbytes)

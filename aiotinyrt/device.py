@@ -222,19 +222,22 @@ class Compiled:
         timeline = queue.timeline
         extra: list[Signal] = []
         for i, b in enumerate(bufs):
-            base = b._base or b
-            last = base._last_write
-            if last is not None and last.timeline is not timeline and last.timeline.completed < last.value:
-                extra.append(last)
-            if base._reads and (writes is None or i in writes):
-                extra.extend(
-                    r for r in base._reads if r.timeline is not timeline and r.timeline.completed < r.value
-                )
+            accesses = (b._base or b)._accesses
+            # fast path: the only access known is an earlier one on this same queue
+            if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
+                extra.extend(b.dependencies(timeline, writes is None or i in writes))
         if extra:
             deps = deps + tuple(extra)
         sig = queue.submit(fn, args, deps, (bufs, keep))
-        for i, b in enumerate(bufs):
-            b.record(sig, writes is None or i in writes)
+        if writes is None:
+            for b in bufs:
+                if b._base is None:  # a whole-buffer write supersedes every earlier access
+                    b._accesses = [(0, b.nbytes, sig, True)]
+                else:
+                    b.record(sig, True)
+        else:
+            for i, b in enumerate(bufs):
+                b.record(sig, i in writes)
         return sig
 
     async def _submit_copy(self, dest: Buffer, src: Buffer) -> None:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import anyio
 import anyio.lowlevel
 
-from aiotinyrt.helpers import getenv
+from aiotinyrt.helpers import debug_level, getenv
 
 if TYPE_CHECKING:
     from aiotinyrt.buffer import Buffer
@@ -416,6 +416,7 @@ class HostQueue:
         perf = time.perf_counter
         early: dict[int, Command] = {}
         expected = timeline.completed + 1
+        debug = debug_level()
         while True:
             try:
                 fn, args, sig, deps, _keep = commands.popleft()
@@ -448,6 +449,8 @@ class HostQueue:
                     except BaseException as exc:
                         sig._error = device._fail(exc, sig)
                     sig._elapsed = perf() - start
+                    if debug >= 2:
+                        print(f"{timeline.label}@{expected}: {_describe(fn, _keep)} {fmt_time(sig._elapsed)}")
                 else:
                     sig._error = device._error
             timeline.completed = expected
@@ -490,6 +493,13 @@ class HostQueue:
         if self.timeline.completed < value:
             # the worker is stuck in a command: complete the rest so waiters return
             self.timeline.advance(value)
+
+
+def _describe(fn: object, keep: object) -> str:
+    """A name for a command in DEBUG output: the kernel's name, else the function's."""
+    if isinstance(keep, tuple) and len(keep) == 2 and isinstance(keep[1], Program):
+        return keep[1].name
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 _UNIT_SIZE = (1, 1, 1)
