@@ -24,6 +24,7 @@ import aiotinyrt.backends
 from aiotinyrt.allocator import Allocator
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
+from aiotinyrt.graph import Graph, _capturing, capture
 from aiotinyrt.helpers import debug_level, getenv_str
 from aiotinyrt.program import DeviceError, HostQueue, Program, Signal
 
@@ -123,6 +124,18 @@ class Compiled:
             raise ValueError(f"{prog!r} belongs to {prog.device.name}, not {self.name}")
         return await prog(*bufs, **kwargs)
 
+    def capture(self, **named: Buffer) -> contextlib.AbstractAsyncContextManager[Graph]:
+        """``async with dev.capture(x=buf) as graph:`` records launches and ``copy_from`` made by
+        this task (on any device) instead of running them; ``graph.replay(x=other)`` then runs
+        the whole recording as one command per device queue. Named buffers can be replaced at
+        replay. See :mod:`aiotinyrt.graph`.
+
+        Cancellation: the block's exit (which may compile a native replay) is a normal await;
+        cancelled there, the graph is left unsealed and cannot be replayed.
+        """
+        self._check_open()
+        return capture(self, named)
+
     # ---- synchronisation ------------------------------------------------------------------------
     def _latest(self) -> list[Signal]:
         return [Signal(q.timeline, q.timeline.submitted) for q in self.queues.values()]
@@ -219,6 +232,10 @@ class Compiled:
         if self._closed:
             raise DeviceError(f"{self.name} is closed", device=self.name)
         queue = self._compute_queue
+        graph = _capturing.get()
+        if graph is not None:
+            flags = [writes is None or i in writes for i in range(len(bufs))]
+            return graph._record(queue, fn, args, bufs, flags, deps, keep)
         timeline = queue.timeline
         extra: list[Signal] = []
         for i, b in enumerate(bufs):
@@ -247,6 +264,19 @@ class Compiled:
         dst_handle, src_handle = dest.handle(), src.handle()
         queue = self._copy_queue
         alloc = self.allocator
+        graph = _capturing.get()
+        if graph is not None:
+            await anyio.lowlevel.checkpoint()
+            if src_dev is self or alloc._can_transfer_from(src_dev):
+                args = (dst_handle, src_handle, dest.nbytes, src_dev)
+                graph._record(queue, alloc._transfer, args, (dest, src), [True, False])
+                return
+            src_dev.allocator.check_copyout()
+            staging = memoryview(bytearray(src.nbytes))
+            out_args = (staging, src_handle)
+            graph._record(src_dev._copy_queue, src_dev.allocator._copyout, out_args, (src,), [False])
+            graph._record(queue, alloc._copyin, (dst_handle, staging), (dest,), [True])
+            return
         if src_dev is self or alloc._can_transfer_from(src_dev):
             deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
             sig = queue.submit(

@@ -25,6 +25,7 @@ import cffi
 from aiotinyrt.allocator import BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
+from aiotinyrt.graph import NativeRun
 from aiotinyrt.helpers import debug_level, getenv_str
 from aiotinyrt.program import Program
 
@@ -272,3 +273,50 @@ class CPUDevice(Compiled):
 
     def count(self) -> int:
         return os.cpu_count() or 1
+
+    async def _native_graph(self, entries: list[Any]) -> NativeRun | None:
+        """Compile a run of captured raw C launches into one C function that calls each kernel
+        with its recorded arguments (addresses come from arrays, so the code is cacheable)."""
+        if not all(
+            isinstance(e.program, CPUProgram)
+            and e.queue is self._compute_queue
+            and e.fn is e.program.function(len(e.bufs), len(e.args) - len(e.bufs))
+            for e in entries
+        ):
+            return None
+        lines: list[str] = []
+        flat: list[int] = []
+        positions: dict[tuple[int, int], list[int]] = {}
+        for i, entry in enumerate(entries):
+            nbufs = len(entry.bufs)
+            params = ", ".join(["uintptr_t"] * nbufs + ["int32_t"] * (len(entry.args) - nbufs)) or "void"
+            base = len(flat)
+            call = [
+                f"a[{base + j}]" if j < nbufs else f"(int32_t)a[{base + j}]" for j in range(len(entry.args))
+            ]
+            flat.extend(a & 0xFFFF_FFFF_FFFF_FFFF for a in entry.args)
+            for b, slots in enumerate(entry.slots):
+                positions[(i, b)] = [base + j for j in slots]
+            lines.append(f"  ((void (*)({params}))f[{i}])({', '.join(call)});")
+        src = (
+            "#include <stdint.h>\n"
+            "void graph_replay(const uintptr_t *restrict f, const uintptr_t *restrict a) {\n"
+            + "\n".join(lines)
+            + "\n}\n"
+        )
+        replay = CPUProgram(self, "graph_replay", await self.compiler.compile_cached(src))
+        count = max(len(flat), 1)
+
+        def copy_args(old: Any) -> Any:
+            new = _ffi.new("uintptr_t[]", count)
+            _ffi.memmove(new, old, count * 8)
+            return new
+
+        return NativeRun(
+            cfunc=_ffi.cast("void (*)(uintptr_t *, uintptr_t *)", replay._addr),
+            fns=_ffi.new("uintptr_t[]", [int(_ffi.cast("uintptr_t", e.program._addr)) for e in entries]),
+            args=_ffi.new("uintptr_t[]", flat or [0]),
+            positions=positions,
+            copy_args=copy_args,
+            keep=(replay, [e.program for e in entries]),
+        )

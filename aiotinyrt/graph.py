@@ -1,0 +1,319 @@
+"""Captured graphs: record a fixed sequence of launches and copies once, replay it for almost nothing.
+
+``async with dev.capture(x=buf_x) as graph:`` records, instead of running, every launch and
+``copy_from`` made by the current task (and tasks it starts) on any device. On exit the
+recording is split into *runs*: maximal stretches of consecutive commands for the same device
+queue. Each run is replayed as **one** queue command:
+
+* on CPU, a run of raw C kernels becomes a generated C function that calls every kernel with its
+  fixed arguments from an argument array, so a replay costs one queue command plus one direct C
+  call per kernel;
+* anything else (NULL, copies, other backends) replays as one command that calls each recorded
+  function in turn.
+
+Buffers named at capture (``dev.capture(x=buf)``, or ``graph.name("x", buf)``) can be replaced
+at replay (``graph.replay(x=other)``), as tinygrad's JIT replaces its input buffers: the
+replacement must be allocated, on the same device, with the same size in bytes. Replays are
+ordered against other work on the buffers they touch exactly like single launches (the runs
+depend on each other through the same hazard tracking), so runs on different devices overlap
+where the data allows.
+
+Launches recorded in a capture return a Signal that is already failed: awaiting it raises
+``RuntimeError`` saying the launch was captured, not run.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiotinyrt.program import HostQueue, Signal, Timeline
+
+if TYPE_CHECKING:
+    from aiotinyrt.buffer import Buffer
+    from aiotinyrt.device import Compiled
+
+_capturing: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("aiotinyrt_capture", default=None)
+
+
+def current_capture() -> Graph | None:
+    """The graph recording the current task's launches, if any."""
+    return _capturing.get()
+
+
+@dataclass
+class _Entry:
+    """One recorded command: ``fn(*args)`` on ``queue``. ``bufs[i]`` appears in ``args`` at the
+    positions ``slots[i]`` (its handle, or its address for CPU kernels); ``after`` lists the
+    indices of earlier entries this one waits for (``wait_for`` on captured signals)."""
+
+    queue: HostQueue
+    fn: Callable[..., object]
+    args: list[Any]
+    bufs: list[Buffer]
+    writes: list[bool]
+    slots: list[list[int]]
+    after: list[int]
+    program: Any = None  # the Program, for native CPU runs and keep-alive
+
+
+@dataclass
+class NativeRun:
+    """A run compiled into one C function: ``cfunc(fns, args)`` calls every kernel.
+
+    ``args`` is the flat argument array; ``positions[(entry, buffer)]`` are the slots in it that
+    hold that buffer's address; ``copy_args`` makes a private copy for a replay with
+    substitutions (a queued replay keeps its own array)."""
+
+    cfunc: Any
+    fns: Any
+    args: Any
+    positions: dict[tuple[int, int], list[int]]
+    copy_args: Callable[[Any], Any]
+    keep: Any
+
+
+@dataclass
+class _Run:
+    queue: HostQueue
+    first: int  # index of its first entry
+    entries: list[_Entry] = field(default_factory=list)
+    native: NativeRun | None = None
+    accesses: list[tuple[Buffer, bool]] = field(default_factory=list)  # distinct buffers, written?
+    calls: list[tuple[Callable[..., object], tuple[Any, ...]]] = field(default_factory=list)
+    after: list[int] = field(default_factory=list)  # earlier runs it waits for (wait_for)
+
+
+class Graph:
+    """A recorded sequence of launches and copies, replayed as one command per device queue."""
+
+    def __init__(self, named: dict[str, Buffer]) -> None:
+        self._entries: list[_Entry] = []
+        self._runs: list[_Run] = []
+        self._names: dict[str, Buffer] = {}
+        self._sealed = False
+        self._timeline = Timeline("capture", "graph")
+        for name, buf in named.items():
+            self.name(name, buf)
+
+    def __repr__(self) -> str:
+        return f"<Graph {len(self._entries)} commands in {len(self._runs)} runs>"
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def devices(self) -> list[str]:
+        """Devices this graph runs on, in first-use order."""
+        out: list[str] = []
+        for entry in self._entries:
+            if entry.queue.device.name not in out:
+                out.append(entry.queue.device.name)
+        return out
+
+    def name(self, name: str, buf: Buffer) -> None:
+        """Make ``buf`` substitutable at replay as ``name``."""
+        from aiotinyrt.buffer import Buffer
+
+        if not name.isidentifier():
+            raise ValueError(f"graph input name must be an identifier, got {name!r}")
+        if not isinstance(buf, Buffer):
+            raise TypeError(f"graph input {name!r} must be a Buffer, got {type(buf).__name__}")
+        if self._sealed:
+            raise RuntimeError("name inputs while capturing, before the capture block ends")
+        self._names[name] = buf
+
+    # ---- recording (called by Compiled while this graph captures) -------------------------------
+    def _captured_signal(self) -> Signal:
+        timeline = self._timeline
+        timeline.submitted += 1
+        sig = Signal(timeline, timeline.submitted)
+        sig._error = RuntimeError("this launch was captured into a graph, not run; await graph.replay()")
+        timeline.completed = timeline.submitted
+        return sig
+
+    def _record(
+        self,
+        queue: HostQueue,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        bufs: tuple[Buffer, ...],
+        writes: list[bool],
+        wait_for: tuple[Signal, ...] = (),
+        program: Any = None,
+    ) -> Signal:
+        if self._sealed:
+            raise RuntimeError("this graph's capture has ended")
+        after = []
+        for dep in wait_for:
+            if dep.timeline is not self._timeline:
+                raise ValueError(
+                    "while capturing, wait_for may only name signals captured in the same graph; "
+                    "wait for outside work before the capture block"
+                )
+            after.append(dep.value - 1)
+        slots = [_slots_of(args, buf, len(bufs)) for buf in bufs]
+        self._entries.append(_Entry(queue, fn, list(args), list(bufs), writes, slots, after, program))
+        return self._captured_signal()
+
+    async def _seal(self) -> None:
+        """Split into runs and build native replays (compiles on CPU)."""
+        self._sealed = True
+        runs: list[_Run] = []
+        for index, entry in enumerate(self._entries):
+            if not runs or runs[-1].queue is not entry.queue:
+                runs.append(_Run(entry.queue, index))
+            runs[-1].entries.append(entry)
+        for run in runs:
+            touched: dict[int, tuple[Buffer, bool]] = {}
+            for entry in run.entries:
+                for buf, write in zip(entry.bufs, entry.writes, strict=True):
+                    previous = touched.get(id(buf))
+                    touched[id(buf)] = (buf, write or (previous is not None and previous[1]))
+            run.accesses = list(touched.values())
+            run.calls = [(entry.fn, tuple(entry.args)) for entry in run.entries]
+            run.after = sorted(
+                {
+                    r
+                    for entry in run.entries
+                    for i in entry.after
+                    for r, other in enumerate(runs)
+                    if other is not run and other.first <= i < other.first + len(other.entries)
+                }
+            )
+            builder = getattr(run.queue.device, "_native_graph", None)
+            if builder is not None and all(e.program is not None for e in run.entries):
+                run.native = await builder(run.entries)
+        self._runs = runs
+
+    # ---- replay -------------------------------------------------------------------------------
+    def _substitutions(self, subs: dict[str, Buffer]) -> dict[int, Buffer]:
+        """Map id(original buffer) -> replacement, after checking every replacement."""
+        out: dict[int, Buffer] = {}
+        for name, new in subs.items():
+            old = self._names.get(name)
+            if old is None:
+                known = ", ".join(self._names) or "none"
+                raise KeyError(f"graph has no input named {name!r} (inputs: {known})")
+            if not hasattr(new, "nbytes") or type(new).__name__ != "Buffer":
+                raise TypeError(f"graph input {name!r} must be a Buffer, got {type(new).__name__}")
+            if new.device != old.device:
+                raise ValueError(f"graph input {name!r} must be on {old.device}, got {new.device}")
+            if new.nbytes != old.nbytes:
+                raise ValueError(f"graph input {name!r} must have {old.nbytes} bytes, got {new.nbytes}")
+            new.handle()  # raises if unallocated or freed
+            out[id(old)] = new
+        return out
+
+    def replay(self, **subs: Buffer) -> Signal:
+        """Enqueue the whole graph (one command per run) and return a Signal for all of it.
+
+        Keyword arguments replace named input buffers. Everything is checked before anything is
+        enqueued.
+        """
+        if not self._sealed:
+            raise RuntimeError("replay after the capture block has ended")
+        if not self._runs:
+            raise RuntimeError("the graph is empty: nothing was launched while capturing")
+        swap = self._substitutions(subs) if subs else {}
+        plans = []
+        for run in self._runs:
+            run.queue.device._check_open()
+            plans.append(self._plan(run, swap))
+        signals: list[Signal] = []
+        for run, (fn, args, touched, keep) in zip(self._runs, plans, strict=True):
+            timeline = run.queue.timeline
+            deps = [signals[r] for r in run.after]
+            for buf, write in touched:
+                deps.extend(buf.dependencies(timeline, write))
+            sig = run.queue.submit(fn, args, tuple(d for d in deps if d.timeline is not timeline), keep)
+            for buf, write in touched:
+                buf.record(sig, write)
+            signals.append(sig)
+        if len(signals) == 1:
+            return signals[0]
+        last = self._runs[-1].queue
+        others = tuple(s for s in signals[:-1] if s.timeline is not last.timeline)
+        return last.submit(_join, (), others, None)
+
+    __call__ = replay
+
+    def _plan(
+        self, run: _Run, swap: dict[int, Buffer]
+    ) -> tuple[Callable[..., object], tuple[Any, ...], list[tuple[Buffer, bool]], object]:
+        if swap:
+            merged: dict[int, tuple[Buffer, bool]] = {}
+            for buf, write in run.accesses:
+                actual = swap.get(id(buf), buf)
+                previous = merged.get(id(actual))
+                merged[id(actual)] = (actual, write or (previous is not None and previous[1]))
+            accesses = list(merged.values())
+        else:
+            accesses = run.accesses
+        for actual, _ in accesses:
+            if actual.freed or not actual.is_allocated():
+                actual.handle()  # raises the use-after-free / unallocated error
+        native = run.native
+        if native is not None:
+            args = native.args
+            if swap:
+                args = native.copy_args(args)
+                for (e, b), slots in native.positions.items():
+                    new = swap.get(id(run.entries[e].bufs[b]))
+                    if new is not None:
+                        addr = new.handle().addr
+                        for slot in slots:
+                            args[slot] = addr
+            return native.cfunc, (native.fns, args), accesses, (run, native, args, accesses)
+        if not swap:
+            return _run_calls, (run.calls,), accesses, (run, accesses)
+        calls = []
+        for entry in run.entries:
+            call_args = entry.args
+            if swap:
+                call_args = list(call_args)
+                for b, buf in enumerate(entry.bufs):
+                    new = swap.get(id(buf))
+                    if new is not None:
+                        old_handle, new_handle = buf.handle(), new.handle()
+                        for slot in entry.slots[b]:
+                            is_addr = call_args[slot] is not old_handle
+                            call_args[slot] = new_handle.addr if is_addr else new_handle
+            calls.append((entry.fn, tuple(call_args)))
+        return _run_calls, (calls,), accesses, (run, accesses)
+
+
+def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[int]:
+    """Positions of ``buf`` in a command's arguments: its handle, or (CPU kernels, whose first
+    arguments are buffer addresses) its address."""
+    handle = buf.handle()
+    addr = getattr(handle, "addr", None)
+    return [
+        j
+        for j, a in enumerate(args)
+        if a is handle or (addr is not None and j < nbufs and type(a) is int and a == addr)
+    ]
+
+
+def _run_calls(calls: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:
+    for fn, args in calls:
+        fn(*args)
+
+
+def _join() -> None:
+    pass
+
+
+@asynccontextmanager
+async def capture(device: Compiled, named: dict[str, Buffer]) -> AsyncIterator[Graph]:
+    """Implementation of ``Compiled.capture``."""
+    graph = Graph(named)
+    token = _capturing.set(graph)
+    try:
+        yield graph
+    finally:
+        _capturing.reset(token)
+    await graph._seal()
