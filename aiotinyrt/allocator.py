@@ -290,6 +290,7 @@ class Allocator(Generic[T]):
         Cancellation: cancels the wait only; the copy still completes, reading ``src``, which is
         kept alive until it has.
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         mv = host_bytes(src, writable=False, what="copyin source")
         if mv.nbytes == 0:
             raise ValueError(f"{self.device.name}: copyin of 0 bytes")
@@ -303,6 +304,7 @@ class Allocator(Generic[T]):
 
         Cancellation: cancels the wait only; the copy still completes and writes into ``dest``.
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         mv = host_bytes(dest, writable=True, what="copyout destination")
         self.check_copyout()
         if mv.nbytes == 0:

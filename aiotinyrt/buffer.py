@@ -274,6 +274,7 @@ class Buffer:
 
         Cancellation: cancels the wait only; the copy completes, reading ``src`` (kept alive).
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         data = self._check_host(src, writable=False, what="copyin source")
         handle = self.handle()
         device = self.device_obj
@@ -291,6 +292,7 @@ class Buffer:
 
         Cancellation: cancels the wait only; the copy completes and writes into ``dest``.
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         data = self._check_host(dest, writable=True, what="copyout destination")
         handle = self.handle()
         device = self.device_obj

@@ -228,7 +228,22 @@ class Compiler:
 
     async def _compile_counted(self, src: str) -> bytes:
         self.compiles += 1
-        return await self.compile(src)
+        async with compile_limiter():
+            return await self.compile(src)
+
+
+_limiter: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar("aiotinyrt_compile_limiter")
+
+
+def compile_limiter() -> anyio.CapacityLimiter:
+    """The event loop's limit on concurrent compiler processes: one per core (env
+    ``COMPILE_JOBS`` overrides)."""
+    try:
+        return _limiter.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(getenv("COMPILE_JOBS", os.cpu_count() or 1))
+        _limiter.set(limiter)
+        return limiter
 
 
 def compile_timeout() -> float:

@@ -118,6 +118,7 @@ class Compiled:
 
         Cancellation: cancels the wait only; the launch runs to completion.
         """
+        await anyio.lowlevel.checkpoint_if_cancelled()
         if not isinstance(prog, Program):
             raise TypeError(f"run() needs a Program, got {type(prog).__name__}")
         if prog.device is not self:
@@ -259,6 +260,7 @@ class Compiled:
 
     async def _submit_copy(self, dest: Buffer, src: Buffer) -> None:
         """Copy ``src`` into ``dest`` (a buffer of this device) and wait for it."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         src_dev = src.device_obj
         dst_handle, src_handle = dest.handle(), src.handle()
@@ -306,6 +308,7 @@ class Compiled:
         self, dest: Any, src: Any, nbytes: int, src_dev: Compiled, deps: tuple[Signal, ...], keep: object
     ) -> None:
         """Raw-handle transfer used by ``Allocator.transfer``."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         queue = self._copy_queue
         if src_dev is self or self.allocator._can_transfer_from(src_dev):
@@ -404,13 +407,41 @@ class _DeviceRegistry:
         raise RuntimeError(f"no device opens here (backends tried: {', '.join(order)})")
 
     def _finalize_all(self) -> None:
-        """Interpreter exit: drop queued work and stop workers, with a bounded wait."""
+        """Interpreter exit: drop queued work and stop workers, with a bounded wait; write the
+        PROFILE trace if asked for."""
+        write_profile(self.opened())
         for device in self.opened():
             with contextlib.suppress(Exception):
                 device._shutdown(drop_queued=True, join_timeout=float(os.environ.get("EXIT_JOIN_S", "2")))
 
 
 Device = _DeviceRegistry()
+
+
+def write_profile(devices: Sequence[Compiled], path: str | None = None) -> str | None:
+    """Write every queue's recorded commands as a Chrome-trace/Perfetto JSON file (env
+    ``PROFILE``: a path, or ``1`` for ``aiotinyrt_profile.json``). Returns the path written."""
+    import json
+
+    target = path or getenv_str("PROFILE")
+    if not target:
+        return None
+    if target == "1":
+        target = "aiotinyrt_profile.json"
+    events: list[dict[str, Any]] = []
+    for pid, device in enumerate(devices):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": device.name}})
+        for tid, queue in enumerate(device.queues.values()):
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": queue.name}}
+            )
+            for name, start, seconds in list(queue.profile or ()):
+                events.append(
+                    {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start * 1e6, "dur": seconds * 1e6}
+                )
+    with open(target, "w") as f:
+        json.dump({"traceEvents": events}, f)
+    return target
 
 
 def get_available_devices() -> list[str]:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import anyio
 import anyio.lowlevel
 
-from aiotinyrt.helpers import debug_level, getenv
+from aiotinyrt.helpers import debug_level, getenv, getenv_str
 
 if TYPE_CHECKING:
     from aiotinyrt.buffer import Buffer
@@ -180,7 +180,10 @@ class Timeline:
             if callback is None:
                 continue
             if waiter.internal:
-                callback()
+                try:
+                    callback()
+                except BaseException as exc:  # never let a callback kill a worker thread
+                    _report_callback_error(exc)
             else:
                 wakeups.append(callback)
         for callback in wakeups:
@@ -190,6 +193,14 @@ class Timeline:
         """Number of live waiters (for statistics and tests)."""
         with self._lock:
             return sum(1 for _, _, w in self._heap if w.callback is not None)
+
+
+def _report_callback_error(exc: BaseException) -> None:
+    import sys
+    import traceback
+
+    print("aiotinyrt: internal completion callback failed:", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
 
 
 class Signal:
@@ -345,6 +356,8 @@ class HostQueue:
         self._sleeping = False
         self._thread: threading.Thread | None = None
         self._stopping = False
+        #: (name, start, seconds) of every command run, when env PROFILE is set
+        self.profile: list[tuple[str, float, float]] | None = [] if getenv_str("PROFILE") else None
 
     def __repr__(self) -> str:
         return f"<HostQueue {self.timeline.label} queued={self.queued()}>"
@@ -417,6 +430,7 @@ class HostQueue:
         early: dict[int, Command] = {}
         expected = timeline.completed + 1
         debug = debug_level()
+        profile = self.profile
         while True:
             try:
                 fn, args, sig, deps, _keep = commands.popleft()
@@ -451,6 +465,8 @@ class HostQueue:
                     sig._elapsed = perf() - start
                     if debug >= 2:
                         print(f"{timeline.label}@{expected}: {_describe(fn, _keep)} {fmt_time(sig._elapsed)}")
+                    if profile is not None:
+                        profile.append((_describe(fn, _keep), start, sig._elapsed))
                 else:
                     sig._error = device._error
             timeline.completed = expected
