@@ -15,7 +15,7 @@ import os
 import pkgutil
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -27,9 +27,7 @@ from aiotinyrt.compiler import Compiler
 from aiotinyrt.graph import Graph, _capturing, capture
 from aiotinyrt.helpers import debug_level, getenv_str
 from aiotinyrt.program import DeviceError, HostQueue, Program, Signal
-
-if TYPE_CHECKING:
-    from aiotinyrt.renderer import Renderer
+from aiotinyrt.renderer import Kernel, Renderer
 
 # Preferred order when choosing Device.DEFAULT; backends not listed come after, alphabetically.
 _DEFAULT_PRIORITY = ("CUDA", "OPENCL", "CPU")
@@ -103,13 +101,31 @@ class Compiled:
         self._check_open()
         return self._runtime(self, name, lib)
 
-    async def program(self, name: str, src: str) -> Program:
-        """Compile (through the cache) and load a kernel from source.
+    async def program(self, name: str | Kernel, src: str | None = None) -> Program:
+        """Compile (through the cache) and load a kernel: ``program(name, c_source)`` for raw
+        source in this backend's language, or ``program(kernel)`` for a portable
+        :class:`~aiotinyrt.renderer.Kernel`, rendered by this device's renderer.
 
-        Cancellation: cancels the wait; a compile already running finishes in the background
-        and its result is cached.
+        Cancellation: cancels the wait; if this call was running the compiler, the compiler
+        process is killed (see ``Compiler.compile_cached``).
         """
         self._check_open()
+        if isinstance(name, Kernel):
+            if src is not None:
+                raise TypeError("program(kernel) takes no source: the device's renderer writes it")
+            if self.renderer is None:
+                raise ValueError(f"{self.name} has no renderer for portable kernels; pass C source instead")
+            kernel_src = self.renderer.render(name)
+            lib = await self.compiler.compile_cached(kernel_src)
+            return self._runtime(self, name.name, lib, src=kernel_src, kernel=name)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"program() needs a kernel name and source, or a Kernel; got {type(name).__name__}"
+            )
+        if not isinstance(src, str):
+            raise TypeError(
+                f"program({name!r}, src): src must be a str of source code, got {type(src).__name__}"
+            )
         lib = await self.compiler.compile_cached(src)
         return self._runtime(self, name, lib, src=src)
 
@@ -185,9 +201,13 @@ class Compiled:
         self._closed = True
         for q in self.queues.values():
             q.stop(drop_queued=drop_queued, join_timeout=join_timeout)
+        self._on_close()
         with contextlib.suppress(Exception):
             self.allocator.free_cache()
         Device._forget(self)
+
+    def _on_close(self) -> None:
+        """Backend hook: release backend resources after the queues stopped."""
 
     def _check_open(self) -> None:
         if self._closed:

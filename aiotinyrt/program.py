@@ -61,6 +61,7 @@ from aiotinyrt.helpers import debug_level, getenv, getenv_str
 if TYPE_CHECKING:
     from aiotinyrt.buffer import Buffer
     from aiotinyrt.device import Compiled
+    from aiotinyrt.renderer import Kernel
 
 
 class DeviceError(RuntimeError):
@@ -532,7 +533,9 @@ class Program:
     #: Most int vals one launch may pass.
     MAX_VALS: ClassVar[int] = 64
 
-    def __init__(self, device: Compiled, name: str, lib: bytes, *, src: str | None = None) -> None:
+    def __init__(
+        self, device: Compiled, name: str, lib: bytes, *, src: str | None = None, kernel: Kernel | None = None
+    ) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"kernel name must be a C identifier, got {name!r}")
         if not isinstance(lib, (bytes, bytearray, memoryview)):
@@ -545,7 +548,13 @@ class Program:
         #: Number of buffer and int arguments the kernel takes, when known (from its source).
         self.buf_count: int | None = None
         self.val_count: int | None = None
-        if src is not None:
+        #: The portable kernel this program was rendered from, if any: its launches take the
+        #: kernel's vals and global size, check buffer dtypes and know which buffers are written.
+        self.kernel = kernel
+        if kernel is not None:
+            self.buf_count, self.val_count = len(kernel.buffers), len(kernel.scalars)
+            self._kernel_writes = frozenset(kernel.writes)
+        elif src is not None:
             signature = parse_c_signature(src, name)
             if signature is not None:
                 self.buf_count, self.val_count = signature
@@ -582,6 +591,8 @@ class Program:
         checked before anything is enqueued (``TypeError``/``ValueError``).
         """
         device = self.device
+        if self.kernel is not None:
+            return self._call_kernel(bufs, global_size, local_size, vals, wait_for, writes)
         gsz = global_size if global_size is _UNIT_SIZE else _check_size("global_size", global_size)
         lsz = None if local_size is None else _check_size("local_size", local_size)
         if vals or type(vals) is not tuple:
@@ -594,6 +605,30 @@ class Program:
         handles = device._launch_handles(self.name, bufs)
         deps = _check_wait_for(wait_for) if wait_for else ()
         fn, args = self._launcher(handles, gsz, lsz, vals)  # type: ignore[arg-type]
+        return device._submit_launch(fn, args, bufs, deps, written, self)
+
+    def _call_kernel(
+        self,
+        bufs: tuple[Buffer, ...],
+        global_size: Sequence[int],
+        local_size: Sequence[int] | None,
+        vals: Sequence[int],
+        wait_for: Sequence[Signal],
+        writes: Sequence[int] | None,
+    ) -> Signal:
+        """A launch of a rendered Kernel: its dtypes, vals and global size are checked and its
+        int arguments become ``vals + (gsz0, gsz1, gsz2)``."""
+        kernel = self.kernel
+        assert kernel is not None
+        device = self.device
+        handles = device._launch_handles(self.name, bufs)
+        kernel.check_buffers([b.dtype for b in bufs])
+        gsz = kernel.launch_size(None if global_size is _UNIT_SIZE else global_size)
+        lsz = None if local_size is None else _check_size("local_size", local_size)
+        all_vals = kernel.launch_vals(vals, gsz)
+        written = self._kernel_writes if writes is None else self._check_writes(writes, len(bufs))
+        deps = _check_wait_for(wait_for) if wait_for else ()
+        fn, args = self._launcher(tuple(handles), gsz, lsz, all_vals)
         return device._submit_launch(fn, args, bufs, deps, written, self)
 
     def _check_vals(self, vals: Sequence[int]) -> tuple[int, ...]:

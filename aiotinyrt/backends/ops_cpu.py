@@ -10,10 +10,12 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import queue
 import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,9 @@ from aiotinyrt.allocator import BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
-from aiotinyrt.helpers import debug_level, getenv_str
+from aiotinyrt.helpers import debug_level, getenv, getenv_str
 from aiotinyrt.program import Program
+from aiotinyrt.renderer import ClangRenderer, Kernel, cpu_threads
 
 _ffi = cffi.FFI()
 _ffi.cdef(
@@ -139,8 +142,10 @@ def _unload(handle: int, fd: int) -> None:
 class CPUProgram(Program):
     """A shared object loaded from memory (memfd: no file is left behind) and called with cffi."""
 
-    def __init__(self, device: Compiled, name: str, lib: bytes, *, src: str | None = None) -> None:
-        super().__init__(device, name, lib, src=src)
+    def __init__(
+        self, device: Compiled, name: str, lib: bytes, *, src: str | None = None, kernel: Kernel | None = None
+    ) -> None:
+        super().__init__(device, name, lib, src=src, kernel=kernel)
         fd = os.memfd_create(f"aiotinyrt-{name}", os.MFD_CLOEXEC)
         try:
             view = memoryview(self.lib)
@@ -179,8 +184,18 @@ class CPUProgram(Program):
         local_size: tuple[int, ...] | None,
         vals: tuple[int, ...],
     ) -> tuple[Any, tuple[Any, ...]]:
-        fn = self._fns.get((len(handles), len(vals))) or self.function(len(handles), len(vals))
-        return fn, (*[h.addr for h in handles], *vals)
+        if self.kernel is None:  # raw C: called once, loops itself
+            fn = self._fns.get((len(handles), len(vals))) or self.function(len(handles), len(vals))
+            return fn, (*[h.addr for h in handles], *vals)
+        # rendered kernel: vals end with the global size; core_id and core_count follow
+        fn = self.function(len(handles), len(vals) + 2)
+        args = (*[h.addr for h in handles], *vals)
+        device = self.device
+        assert isinstance(device, CPUDevice)
+        threads = cpu_threads(global_size, device.threads)
+        if threads == 1:
+            return fn, (*args, 0, 1)
+        return device._cores.run_split, (fn, args, threads)
 
 
 class CPUMemory:
@@ -260,8 +275,64 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         return memoryview(opaque.mm)[opaque.offset : opaque.offset + nbytes]
 
 
+class CorePool:
+    """Daemon threads that run the chunks of a split kernel launch (chunk 0 runs on the queue's
+    own worker). Daemon, so a kernel that never returns cannot hold up interpreter exit."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tasks: queue.SimpleQueue[tuple[Any, tuple[Any, ...], threading.Semaphore, list[BaseException]]]
+        self._tasks = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _ensure(self, n: int) -> None:
+        with self._lock:
+            while len(self._threads) < n:
+                thread = threading.Thread(
+                    target=self._run, name=f"aiotinyrt-{self.name}/core{len(self._threads) + 1}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def _run(self) -> None:
+        while True:
+            fn, args, done, errors = self._tasks.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except BaseException as exc:
+                errors.append(exc)
+            done.release()
+
+    def run_split(self, fn: Any, args: tuple[Any, ...], threads: int) -> None:
+        """Run ``fn(*args, core_id, threads)`` for every core_id, concurrently; raise the first
+        error after all chunks finished."""
+        self._ensure(threads - 1)
+        done = threading.Semaphore(0)
+        errors: list[BaseException] = []
+        for core in range(1, threads):
+            self._tasks.put((fn, (*args, core, threads), done, errors))
+        try:
+            fn(*args, 0, threads)
+        finally:
+            for _ in range(threads - 1):
+                done.acquire()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._tasks.put((None, (), threading.Semaphore(), []))
+
+
 class CPUDevice(Compiled):
-    """A CPU device. ``CPU``, ``CPU:1``, ... are separate devices with their own queues."""
+    """A CPU device. ``CPU``, ``CPU:1``, ... are separate devices with their own queues.
+
+    Rendered kernels split their outermost dimension over ``threads`` cores (env
+    ``CPU_THREADS``, default: every core); raw C kernels run on the queue's worker alone.
+    """
 
     def __init__(self, name: str) -> None:
         cc = find_cc()
@@ -269,7 +340,13 @@ class CPUDevice(Compiled):
             raise RuntimeError(
                 "the CPU device needs a C compiler: set CC, or install clang (apt-get install -y clang)"
             )
-        super().__init__(name, CPUAllocator(self), ClangCompiler(cc), CPUProgram)
+        #: How many threads one rendered-kernel launch may use.
+        self.threads = max(1, getenv("CPU_THREADS", os.cpu_count() or 1))
+        self._cores = CorePool(name)
+        super().__init__(name, CPUAllocator(self), ClangCompiler(cc), CPUProgram, ClangRenderer())
+
+    def _on_close(self) -> None:
+        self._cores.close()
 
     def count(self) -> int:
         return os.cpu_count() or 1
