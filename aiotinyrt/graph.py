@@ -280,22 +280,18 @@ class Graph:
                     if new is not None:
                         old_handle, new_handle = buf.handle(), new.handle()
                         for slot in entry.slots[b]:
-                            is_addr = call_args[slot] is not old_handle
-                            call_args[slot] = new_handle.addr if is_addr else new_handle
+                            is_ptr = call_args[slot] is not old_handle
+                            call_args[slot] = new_handle.ptr if is_ptr else new_handle
             calls.append((entry.fn, tuple(call_args)))
         return _run_calls, (calls,), accesses, (run, accesses)
 
 
 def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[int]:
-    """Positions of ``buf`` in a command's arguments: its handle, or (CPU kernels, whose first
-    arguments are buffer addresses) its address."""
+    """Positions of ``buf`` in a command's arguments: its handle, or (CPU kernels) the pointer
+    object the handle carries."""
     handle = buf.handle()
-    addr = getattr(handle, "addr", None)
-    return [
-        j
-        for j, a in enumerate(args)
-        if a is handle or (addr is not None and j < nbufs and type(a) is int and a == addr)
-    ]
+    ptr = getattr(handle, "ptr", None)
+    return [j for j, a in enumerate(args) if a is handle or (ptr is not None and a is ptr)]
 
 
 def _run_calls(calls: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:

@@ -211,13 +211,27 @@ class Signal:
     ``sig.done()`` polls. Any number of tasks, on any event loop, may await one signal.
     """
 
-    __slots__ = ("_elapsed", "_error", "timeline", "value")
+    # The command itself travels in the signal until it has run (``_fn(*_args)`` after
+    # ``_deps``; ``_keep`` holds what must outlive it); the worker clears these afterwards.
+    __slots__ = ("_args", "_deps", "_elapsed", "_error", "_fn", "_keep", "timeline", "value")
 
-    def __init__(self, timeline: Timeline, value: int) -> None:
+    def __init__(
+        self,
+        timeline: Timeline,
+        value: int,
+        fn: Callable[..., object] | None = None,
+        args: tuple[Any, ...] = (),
+        deps: tuple[Signal, ...] = (),
+        keep: object = None,
+    ) -> None:
         self.timeline = timeline
         self.value = value
         self._elapsed = 0.0
         self._error: BaseException | None = None
+        self._fn = fn
+        self._args = args
+        self._deps = deps
+        self._keep = keep
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self.done() else "pending")
@@ -326,11 +340,6 @@ def when_all_done(signals: Sequence[Signal], fn: Callable[[], None]) -> None:
         sig.timeline.add_waiter(sig.value, one_done, internal=True)
 
 
-# A queued command: (function, its arguments, its signal, cross-queue dependencies, keep-alive).
-# ``keep`` holds whatever must outlive the command (buffers, host memory) until it has run.
-Command = tuple[Callable[..., object] | None, tuple[Any, ...], Signal, tuple[Signal, ...], object]
-
-
 _SPINS = 64
 _yield_gil = time.sleep
 
@@ -350,7 +359,7 @@ class HostQueue:
         self.device = device
         self.name = name
         self.timeline = Timeline(device.name, name)
-        self._commands: deque[Command] = deque()
+        self._commands: deque[Signal] = deque()  # queued commands travel as their signals
         self._values = itertools.count(1)
         self._start_lock = threading.Lock()
         self._wake = threading.Event()
@@ -377,8 +386,8 @@ class HostQueue:
         value = next(self._values)
         if value > timeline.submitted:
             timeline.submitted = value
-        sig = Signal(timeline, value)
-        self._commands.append((fn, args, sig, deps, keep))
+        sig = Signal(timeline, value, fn, args, deps, keep)
+        self._commands.append(sig)
         if self._thread is None:
             self._start()
         if self._sleeping:
@@ -398,7 +407,7 @@ class HostQueue:
                 thread.start()
                 self._thread = thread
 
-    def _next_command(self, expected: int, early: dict[int, Command]) -> Command:
+    def _next_command(self, expected: int, early: dict[int, Signal]) -> Signal:
         """Pop the command with value ``expected``, sleeping while the queue is empty."""
         commands = self._commands
         while True:
@@ -421,27 +430,28 @@ class HostQueue:
                         self._wake.clear()
                     self._sleeping = False
                 continue
-            if command[2].value == expected:
+            if command.value == expected:
                 return command
-            early[command[2].value] = command
+            early[command.value] = command
 
     def _worker(self) -> None:
         commands, timeline, device = self._commands, self.timeline, self.device
         perf = time.perf_counter
-        early: dict[int, Command] = {}
+        early: dict[int, Signal] = {}
         expected = timeline.completed + 1
         debug = debug_level()
         profile = self.profile
         while True:
             try:
-                fn, args, sig, deps, _keep = commands.popleft()
+                sig = commands.popleft()
                 if sig.value != expected:
-                    commands.appendleft((fn, args, sig, deps, _keep))
+                    commands.appendleft(sig)
                     raise IndexError
             except IndexError:
-                fn, args, sig, deps, _keep = self._next_command(expected, early)
+                sig = self._next_command(expected, early)
+            fn, args, deps = sig._fn, sig._args, sig._deps
             if fn is None:  # stop marker: args[0] is the last value this queue handed out
-                for _fn, _args, early_sig, _deps, _k in early.values():
+                for early_sig in early.values():
                     early_sig._error = DeviceError(f"{device.name} was closed", device=device.name)
                 timeline.advance(args[0])
                 return
@@ -465,11 +475,13 @@ class HostQueue:
                         sig._error = device._fail(exc, sig)
                     sig._elapsed = perf() - start
                     if debug >= 2:
-                        print(f"{timeline.label}@{expected}: {_describe(fn, _keep)} {fmt_time(sig._elapsed)}")
+                        name = _describe(fn, sig._keep)
+                        print(f"{timeline.label}@{expected}: {name} {fmt_time(sig._elapsed)}")
                     if profile is not None:
-                        profile.append((_describe(fn, _keep), start, sig._elapsed))
+                        profile.append((_describe(fn, sig._keep), start, sig._elapsed))
                 else:
                     sig._error = device._error
+            sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
             timeline.completed = expected
             if timeline._heap:
                 timeline.fire_due()
@@ -485,26 +497,27 @@ class HostQueue:
         if self._stopping:
             return
         self._stopping = True
-        dropped: list[Command] = []
+        dropped: list[Signal] = []
         if drop_queued:
             while True:
                 try:
                     dropped.append(self._commands.popleft())
                 except IndexError:
                     break
-        dropped.sort(key=lambda c: c[2].value)
-        for _fn, _args, sig, _deps, _keep in dropped:
+        dropped.sort(key=lambda c: c.value)
+        for sig in dropped:
             sig._error = DeviceError(
                 f"{self.device.name} was closed before this command ran", device=self.device.name
             )
+            sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
         value = next(self._values)
         self.timeline.submitted = value
         if self._thread is None:
             self.timeline.advance(value)
             return
         # the marker takes the place of the dropped commands: the worker advances past them
-        first = dropped[0][2].value if dropped else value
-        self._commands.append((None, (value,), Signal(self.timeline, first), (), None))
+        first = dropped[0].value if dropped else value
+        self._commands.append(Signal(self.timeline, first, None, (value,)))
         self._wake.set()
         self._thread.join(join_timeout)
         if self.timeline.completed < value:

@@ -692,6 +692,12 @@ class _Parser:
         return self.postfix()
 
     def postfix(self) -> Expr:
+        value = self.primary()
+        if self.tok.kind == "op" and self.tok.text in ("++", "--"):
+            raise self.error(f"{self.tok.text!r} is a statement, not an expression")
+        return value
+
+    def primary(self) -> Expr:
         token = self.next()
         if token.kind == "int":
             dtype = _int_literal_dtype(token.text)

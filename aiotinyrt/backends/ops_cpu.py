@@ -173,7 +173,7 @@ class CPUProgram(Program):
         key = (nbufs, nvals)
         fn = self._fns.get(key)
         if fn is None:
-            params = ", ".join(["uintptr_t"] * nbufs + ["int32_t"] * nvals) or "void"
+            params = ", ".join(["void *"] * nbufs + ["int32_t"] * nvals) or "void"
             fn = self._fns[key] = _ffi.cast(f"void (*)({params})", self._addr)
         return fn
 
@@ -186,10 +186,10 @@ class CPUProgram(Program):
     ) -> tuple[Any, tuple[Any, ...]]:
         if self.kernel is None:  # raw C: called once, loops itself
             fn = self._fns.get((len(handles), len(vals))) or self.function(len(handles), len(vals))
-            return fn, (*[h.addr for h in handles], *vals)
+            return fn, (*[h.ptr for h in handles], *vals)
         # rendered kernel: vals end with the global size; core_id and core_count follow
         fn = self.function(len(handles), len(vals) + 2)
-        args = (*[h.addr for h in handles], *vals)
+        args = (*[h.ptr for h in handles], *vals)
         device = self.device
         assert isinstance(device, CPUDevice)
         threads = cpu_threads(global_size, device.threads)
@@ -202,11 +202,12 @@ class CPUMemory:
     """A handle to host memory: the owning mmap (None for external memory), the address of the
     first byte, its offset into the mmap and its size."""
 
-    __slots__ = ("addr", "mm", "nbytes", "offset")
+    __slots__ = ("addr", "mm", "nbytes", "offset", "ptr")
 
     def __init__(self, mm: mmap.mmap | None, addr: int, offset: int, nbytes: int) -> None:
         self.mm = mm
         self.addr = addr
+        self.ptr = _ffi.cast("void *", addr)  # what kernels are called with (cheaper than an int)
         self.offset = offset
         self.nbytes = nbytes
 
@@ -371,7 +372,10 @@ class CPUDevice(Compiled):
             call = [
                 f"a[{base + j}]" if j < nbufs else f"(int32_t)a[{base + j}]" for j in range(len(entry.args))
             ]
-            flat.extend(a & 0xFFFF_FFFF_FFFF_FFFF for a in entry.args)
+            flat.extend(
+                a & 0xFFFF_FFFF_FFFF_FFFF if isinstance(a, int) else int(_ffi.cast("uintptr_t", a))
+                for a in entry.args
+            )
             for b, slots in enumerate(entry.slots):
                 positions[(i, b)] = [base + j for j in slots]
             lines.append(f"  ((void (*)({params}))f[{i}])({', '.join(call)});")
