@@ -354,7 +354,7 @@ class LRUAllocator(Allocator[T]):
         return entries.pop()
 
     def _put_cached(self, opaque: T, nbytes: int, spec: BufferSpec) -> bool:
-        if not (self.enabled and spec.cacheable and self._reusable(opaque)):
+        if not (self.enabled and spec.cacheable and not self.device.closed and self._reusable(opaque)):
             return False
         self._cache[(nbytes, spec)].append(opaque)
         self._cached += nbytes

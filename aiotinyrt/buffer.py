@@ -46,6 +46,7 @@ class Buffer:
     __slots__ = (
         "_accesses",
         "_base",
+        "_dev",
         "_freed",
         "_handle",
         "device",
@@ -83,6 +84,7 @@ class Buffer:
         self.offset = offset
         self.nbytes = size * dtype.itemsize  #: size in bytes
         self._base = base
+        self._dev: Compiled | None = None
         self._handle: Any = None
         self._freed = False
         # on a base: (start, end, signal, is_write) of accesses that may still be pending
@@ -105,6 +107,11 @@ class Buffer:
 
     @property
     def device_obj(self) -> Compiled:
+        """The device instance holding this buffer's memory (opened on first allocation). After
+        that device is closed, operations raise ``DeviceError``; the name is never reopened."""
+        dev = self.base._dev
+        if dev is not None:
+            return dev
         from aiotinyrt.device import Device
 
         return Device[self.device]
@@ -131,6 +138,8 @@ class Buffer:
         if self._handle is not None:
             raise RuntimeError(f"{self!r} is already allocated")
         device = self.device_obj
+        device._check_open()
+        self._dev = device
         self._handle = (
             opaque if opaque is not None else device.allocator.alloc_nowait(self.nbytes, self.options)
         )
@@ -313,6 +322,7 @@ class Buffer:
         """
         handle = self.handle()
         device = self.device_obj
+        device._check_open()
         writes = self.pending_writes()
         if writes:
             for sig in writes:

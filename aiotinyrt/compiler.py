@@ -155,6 +155,8 @@ class Compiler:
         self._memory: dict[str, bytes] = {}
         self._inflight: dict[str, anyio.Event] = {}
         self._identity: str | None = None
+        self._identity_lock = _LoopLock()
+        self._failed: dict[str, BaseException] = {}  # the failure of an in-flight compile
         self.compiles = 0  # compilations actually run by this compiler
 
     def __repr__(self) -> str:
@@ -178,7 +180,9 @@ class Compiler:
 
     async def _key(self, src: str) -> str:
         if self._identity is None:
-            self._identity = await self.identity()
+            async with self._identity_lock:  # one `cc --version` even for many first callers
+                if self._identity is None:
+                    self._identity = await self.identity()
         digest = hashlib.sha256()
         digest.update(self._identity.encode())
         digest.update(b"\0")
@@ -210,7 +214,11 @@ class Compiler:
             lib = self._memory.get(key)
             if lib is not None:
                 return lib
+            failure = self._failed.get(key)
+            if failure is not None:  # the compile we waited for failed: so does this call
+                raise failure
         done = self._inflight[key] = anyio.Event()
+        self._failed.pop(key, None)
         try:
             cache = disk_cache()
             lib = await anyio.to_thread.run_sync(cache.get, key)
@@ -222,6 +230,9 @@ class Compiler:
                     await anyio.to_thread.run_sync(cache.put, key, lib)
             self._memory[key] = lib
             return lib
+        except CompileError as exc:
+            self._failed[key] = exc  # waiters share it; the next call after them compiles again
+            raise
         finally:
             del self._inflight[key]
             done.set()
@@ -230,6 +241,24 @@ class Compiler:
         self.compiles += 1
         async with compile_limiter():
             return await self.compile(src)
+
+
+class _LoopLock:
+    """An anyio.Lock per event loop (a compiler may be used from several loops in turn)."""
+
+    def __init__(self) -> None:
+        self._var: anyio.lowlevel.RunVar[anyio.Lock] = anyio.lowlevel.RunVar(f"aiotinyrt_lock_{id(self)}")
+
+    async def __aenter__(self) -> None:
+        try:
+            lock = self._var.get()
+        except LookupError:
+            lock = anyio.Lock()
+            self._var.set(lock)
+        await lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._var.get().release()
 
 
 _limiter: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar("aiotinyrt_compile_limiter")

@@ -1053,7 +1053,11 @@ class CStyleRenderer(Renderer):
         return out
 
     def helpers(self, kernel: Kernel) -> list[str]:
-        return [self.bf16_helpers] if dtypes.bfloat16 in kernel.dtypes_used else []
+        """Definitions the kernel needs, each guarded so that rendered kernels can be
+        concatenated into one compilation unit."""
+        if dtypes.bfloat16 not in kernel.dtypes_used:
+            return []
+        return ["#ifndef AIOTINYRT_BF16", "#define AIOTINYRT_BF16", self.bf16_helpers, "#endif"]
 
 
 _BF16_DOC = "/* bfloat16 is stored as uint16: the top half of a float32, rounded to nearest even */"
@@ -1085,10 +1089,13 @@ class ClangRenderer(CStyleRenderer):
     #: clang has the storage-only ``__fp16`` on every target; gcc has ``_Float16`` on x86 and arm
     half_typedef: ClassVar[str] = "\n".join(
         (
+            "#ifndef AIOTINYRT_HALF",
+            "#define AIOTINYRT_HALF",
             "#if defined(__clang__)",
             "typedef __fp16 aiotinyrt_half;",
             "#else",
             "typedef _Float16 aiotinyrt_half;",
+            "#endif",
             "#endif",
         )
     )

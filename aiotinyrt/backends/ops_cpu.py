@@ -47,6 +47,16 @@ try:
     _libc.dlopen  # noqa: B018 - glibc >= 2.34 exports dlopen from libc itself
 except (OSError, AttributeError):
     _libc = _ffi.dlopen("libdl.so.2")
+# resolve every symbol now: a lazy lookup of dlerror would clear the error it should report
+for _symbol in ("dlopen", "dlsym", "dlerror", "dlclose", "memcpy"):
+    getattr(_libc, _symbol)
+
+
+def _dlerror() -> str:
+    message = _libc.dlerror()
+    return "unknown loader error" if message == _ffi.NULL else _ffi.string(message).decode(errors="replace")
+
+
 _RTLD_NOW = 2
 
 
@@ -155,7 +165,7 @@ class CPUProgram(Program):
             # name, and a reused /proc/self/fd/N would otherwise return an older library
             handle = _libc.dlopen(f"/proc/self/fd/{fd}".encode(), _RTLD_NOW)
             if handle == _ffi.NULL:
-                raise ValueError(f"cannot load {name!r}: {_ffi.string(_libc.dlerror()).decode()}")
+                raise ValueError(f"cannot load {name!r}: {_dlerror()}")
         except BaseException:
             os.close(fd)
             raise
@@ -164,7 +174,8 @@ class CPUProgram(Program):
             _libc.dlclose(handle)
             os.close(fd)
             raise ValueError(f"the binary has no function named {name!r}")
-        weakref.finalize(self, _unload, int(_ffi.cast("uintptr_t", handle)), fd)
+        # not at exit: a worker may still be running this kernel while the interpreter finalizes
+        weakref.finalize(self, _unload, int(_ffi.cast("uintptr_t", handle)), fd).atexit = False
         self._addr = _ffi.cast("void *", addr)
         self._fns: dict[tuple[int, int], Any] = {}
 

@@ -1,0 +1,72 @@
+"""Interpreter exit never hangs and never prints a traceback, whatever work is still queued."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_signals import SPIN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import sys
+
+import anyio
+
+from aiotinyrt import Buffer, Device, dtypes
+
+SPIN = {spin!r}
+
+
+async def main(launches: int, ms: int) -> None:
+    dev = Device["CPU"]
+    prog = await dev.program("spin", SPIN)
+    out = await Buffer("CPU", 1, dtypes.int32).allocate()
+    sigs = [prog(out, vals=(ms,)) for _ in range(launches)]
+    print("queued", len(sigs), "done", sum(s.done() for s in sigs), flush=True)
+
+
+anyio.run(main, int(sys.argv[2]), int(sys.argv[3]), backend=sys.argv[1])
+"""
+
+
+def run_and_exit(backend: str, launches: int, ms: int) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the script (queue ``launches`` spins of ``ms`` ms, return without awaiting them)."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(spin=SPIN), backend, str(launches), str(ms)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_exit_with_many_slow_launches_queued_is_prompt_and_quiet(backend: str) -> None:
+    result, elapsed = run_and_exit(backend, launches=200, ms=200)  # 40 s of queued work
+    assert result.returncode == 0, (
+        f"exit status {result.returncode} (< 0: killed by that signal) {result.stderr}"
+    )
+    assert result.stdout.startswith("queued 200 done 0"), result.stdout
+    assert result.stderr == ""
+    assert elapsed < 20, f"exit took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_exit_while_a_long_kernel_runs_is_bounded(backend: str) -> None:
+    result, elapsed = run_and_exit(backend, launches=1, ms=60_000)
+    assert result.returncode == 0, (
+        f"exit status {result.returncode} (< 0: killed by that signal) {result.stderr}"
+    )
+    assert result.stdout.startswith("queued 1 done 0"), result.stdout
+    assert result.stderr == ""
+    assert elapsed < 20, f"exit took {elapsed:.1f} s"
