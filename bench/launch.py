@@ -14,12 +14,14 @@ everywhere: ``a[0] = b[0] + c[0]`` on three one-float buffers. Prints one markdo
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import gc
 import mmap
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,14 +35,18 @@ from typing import Any
 
 # Keep the compile caches (ours and tinygrad's, which reads CACHEDB at import) out of ~/.cache.
 _TMP = tempfile.mkdtemp(prefix="aiotinyrt-bench-")
+atexit.register(shutil.rmtree, _TMP, True)
 os.environ.setdefault("CACHEDB", os.path.join(_TMP, "cache.db"))
 
 import anyio  # noqa: E402
+import anyio.to_thread  # noqa: E402
 import cffi  # noqa: E402
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 
 KERNEL = "void k(float* restrict a, const float* restrict b, const float* restrict c) { a[0] = b[0] + c[0]; }"
+# Holds the compute worker in C (GIL released) so launches queue up behind it.
+HOLD = "int usleep(unsigned int usec);\nvoid hold(int usec) { usleep(usec); }"
 MiB = 1 << 20
 
 TARGET_PIPELINED_US = 1.0
@@ -125,13 +131,13 @@ class TinygradKernel:
     called with its HCQBuffers, synchronously (tinygrad's CPUProgram runs in the calling thread)."""
 
     def __init__(self) -> None:
-        from tinygrad import Device as TgDevice
-        from tinygrad import dtypes as tg_dtypes
         from tinygrad.device import Buffer as TgBuffer
+        from tinygrad.device import Device as TgDevice
         from tinygrad.device import TinyELF
+        from tinygrad.dtype import dtypes as tg_dtypes
         from tinygrad.runtime.ops_cpu import CPUProgram as TgCPUProgram
 
-        dev = TgDevice["CPU"]
+        dev: Any = TgDevice["CPU"]
         lib = dev.compiler.compile(KERNEL)
         self.prog = TgCPUProgram(dev, TinyELF(lib, "k", dev.renderer.target, ()))
         self.bufs = [TgBuffer("CPU", 1, tg_dtypes.float32).ensure_allocated() for _ in range(3)]
@@ -208,6 +214,26 @@ async def aiotinyrt_suite(backend: str, cfg: Config, host: HostMemory, out: Samp
     out.add(f"pipelined/{backend}", elapsed / n * 1e6)
     out.add(f"enqueue/{backend}", (enqueued - start) / n * 1e6)
 
+    # 3b. the same launches split in two: enqueue while the worker is held inside a kernel (no GIL
+    # contention), then drain while the event loop sleeps in the await
+    hold = await cpu.program("hold", HOLD)
+    await cpu.synchronize()
+    hold_us = min(int((enqueued - start) * 1.5e6) + 100_000, 2**31 - 1)
+    with timed_region(cfg):
+        held = hold(vals=(hold_us,))
+        start = time.perf_counter()
+        for _ in range(n):
+            sig = prog(a, b, c)
+        enqueued = time.perf_counter()
+        still_held = not held.done()
+        await held
+        released = time.perf_counter()
+        await sig
+        drained = time.perf_counter()
+    if still_held:  # else the worker ran launches during the enqueue: not a clean split
+        out.add(f"enqueue_held/{backend}", (enqueued - start) / n * 1e6)
+        out.add(f"drain/{backend}", (drained - released) / n * 1e6)
+
     # 4. launch + await round trip on an idle device
     await cpu.synchronize()
     for _ in range(50):
@@ -218,6 +244,12 @@ async def aiotinyrt_suite(backend: str, cfg: Config, host: HostMemory, out: Samp
             await cpu.run(prog, a, b, c)
         elapsed = time.perf_counter() - start
     out.add(f"roundtrip/{backend}", elapsed / cfg.round_trips * 1e6)
+    with timed_region(cfg):  # reference: the same hand-off through anyio's thread pool
+        start = time.perf_counter()
+        for _ in range(cfg.round_trips):
+            await anyio.to_thread.run_sync(_noop)
+        elapsed = time.perf_counter() - start
+    out.add(f"to_thread/{backend}", elapsed / cfg.round_trips * 1e6)
 
     # 5. NULL device: the runtime's own overhead, no kernel
     null = Device["NULL"]
@@ -256,6 +288,10 @@ async def aiotinyrt_suite(backend: str, cfg: Config, host: HostMemory, out: Samp
     await null.synchronize()
 
 
+def _noop() -> None:
+    pass
+
+
 def profile_pipelined(cfg: Config) -> None:
     """cProfile the pipelined CPU launch loop on asyncio and print the top costs."""
     import cProfile
@@ -292,7 +328,7 @@ def verdict(values: list[float | None], ok: Callable[[float], bool]) -> str:
 def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
     m = s.median
     loops = ("asyncio", "trio")
-    rows: list[tuple[str, str, str, str, str, str]] = []
+    rows: list[tuple[str, ...]] = []
     tg = m("tinygrad")
     rows.append(
         (
@@ -316,7 +352,7 @@ def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
     )
     rows.append(
         (
-            f"2. {tinygrad_label.split(' (')[0]} CPUProgram call (synchronous)",
+            f"2. {tinygrad_label if tg is not None else 'tinygrad'} CPUProgram call (synchronous)",
             "µs/call",
             fmt(tg) if tg is not None else tinygrad_label,
             "(no loop)",
@@ -337,6 +373,14 @@ def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
     )
     enq = [m(f"enqueue/{b}") for b in loops]
     rows.append(("   of which enqueue (prog() calls before the await)", "µs/launch", *map(fmt, enq), "—", ""))
+    held = [m(f"enqueue_held/{b}") for b in loops]
+    rows.append(
+        ("   split: enqueue while the worker is held in a kernel", "µs/launch", *map(fmt, held), "—", "")
+    )
+    drain = [m(f"drain/{b}") for b in loops]
+    rows.append(
+        ("   split: worker drains the queue, loop asleep in await", "µs/launch", *map(fmt, drain), "—", "")
+    )
     rt = [m(f"roundtrip/{b}") for b in loops]
     rows.append(
         (
@@ -347,6 +391,10 @@ def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
             "—",
             "",
         )
+    )
+    tt = [m(f"to_thread/{b}") for b in loops]
+    rows.append(
+        ("   reference: await anyio.to_thread.run_sync(noop)", "µs", fmt(tt[0], 1), fmt(tt[1], 1), "—", "ref")
     )
     null = [m(f"null/{b}") for b in loops]
     rows.append(
@@ -389,12 +437,27 @@ def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
     )
     out.append("")
     out.append(
-        f"Medians of {cfg.reps} repetitions (each repetition runs every row once, interleaved). "
+        f"Tree: {_git_revision()}. Medians of {cfg.reps} repetitions "
+        "(each repetition runs every row once, interleaved). "
         f"gc: {'disabled' if cfg.gc_off else 'enabled'} in every timed region, on every side, "
         f"after a gc.collect(). GB/s = 1e9 B/s. "
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({_cpu_model()}), {versions}."
     )
     return "\n".join(out)
+
+
+def _git_revision() -> str:
+    try:
+        result = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return result.stdout.strip()
 
 
 def _installed(name: str) -> bool:
