@@ -300,22 +300,10 @@ class Signal:
 def wait_in_thread(signals: Sequence[Signal]) -> None:
     """Block the calling (non-loop) thread until every signal is done. Used by workers to resolve
     cross-queue dependencies, never by the event loop thread."""
-    pending = [s for s in signals if s.timeline.completed < s.value]
-    if not pending:
+    if all(s.timeline.completed >= s.value for s in signals):
         return
     event = threading.Event()
-    remaining = [len(pending)]
-    lock = threading.Lock()
-
-    def one_done() -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            event.set()
-
-    for sig in pending:
-        sig.timeline.add_waiter(sig.value, one_done, internal=True)
+    when_all_done(signals, event.set)
     event.wait()
 
 
