@@ -12,7 +12,7 @@ from aiotinyrt.compiler import CompileError, Compiler
 from aiotinyrt.device import Compiled, Device, get_available_devices, open_device, synchronize
 from aiotinyrt.dtype import DType, dtypes
 from aiotinyrt.program import DeviceError, Program, Signal, Timeline
-from aiotinyrt.renderer import Renderer
+from aiotinyrt.renderer import BufferParam, IntParam, Kernel, KernelError, Renderer
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "Allocator",
     "AllocatorStatistics",
     "Buffer",
+    "BufferParam",
     "BufferSpec",
     "CompileError",
     "Compiled",
@@ -27,6 +28,9 @@ __all__ = [
     "DType",
     "Device",
     "DeviceError",
+    "IntParam",
+    "Kernel",
+    "KernelError",
     "LRUAllocator",
     "Program",
     "Renderer",

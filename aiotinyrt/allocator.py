@@ -183,6 +183,7 @@ class Allocator(Generic[T]):
         """Synchronous allocation (the body of :meth:`alloc`, for code that is not async)."""
         nbytes = _check_nbytes(self.device.name, nbytes)
         spec = _check_spec(options)
+        self.device._check_open()
         with self._lock:
             opaque = self._take_cached(nbytes, spec)
             if opaque is not None:

@@ -152,7 +152,8 @@ class Compiler:
 
     def __init__(self, cachekey: str | None = None) -> None:
         self.cachekey = cachekey
-        self._memory: dict[str, bytes] = {}
+        self._memory: dict[str, bytes] = {}  # cache key -> binary
+        self._by_src: dict[str, bytes] = {}  # source -> binary, the in-memory front
         self._inflight: dict[str, anyio.Event] = {}
         self._identity: str | None = None
         self._identity_lock = _LoopLock()
@@ -197,6 +198,10 @@ class Compiler:
         compiler, the process is killed and the next caller waiting for the same source runs it
         again.
         """
+        lib = self._by_src.get(src)  # hot path: str hashes are cached by Python
+        if lib is not None and getenv("CCACHE", 1) != 0:
+            await anyio.lowlevel.checkpoint()
+            return lib
         if not isinstance(src, str):
             raise TypeError(f"source must be a str, got {type(src).__name__}")
         if self.cachekey is None or getenv("CCACHE", 1) == 0:
@@ -207,6 +212,7 @@ class Compiler:
         key = await self._key(src)
         lib = self._memory.get(key)
         if lib is not None:
+            self._by_src[src] = lib
             await anyio.lowlevel.checkpoint()
             return lib
         while (event := self._inflight.get(key)) is not None:
@@ -228,7 +234,7 @@ class Compiler:
                 lib = await self._compile_counted(src)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(cache.put, key, lib)
-            self._memory[key] = lib
+            self._memory[key] = self._by_src[src] = lib
             return lib
         except CompileError as exc:
             self._failed[key] = exc  # waiters share it; the next call after them compiles again

@@ -33,9 +33,15 @@ six are ``int`` and read-only.
   float argument, result of its type), ``pow fmin fmax`` (two), and ``min max abs`` on any
   arithmetic type (``a < b ? a : b``, as C macros would be).
 
+C's rules carry over unchanged: an unsuffixed float literal is a ``double`` (write ``1.5f`` for
+float32 math on GPUs), integer division and ``%`` truncate toward zero, a float converted to an
+integer truncates, a store converts to the buffer's type. A ``float64`` stored to a ``float16``
+buffer is rounded through ``float32`` (as tinygrad does).
+
 Buffers are declared ``"r"`` (read only: rendered ``const``), ``"w"`` (write only) or ``"rw"``;
 a body that writes a read-only buffer, or reads a write-only one, is rejected. Buffers of one
-launch must not overlap (pointers are ``restrict``).
+launch must not overlap (pointers are ``restrict``). Global indices may run concurrently (CPU
+threads, GPU work items) in any order: a body should write only elements its own index owns.
 
 Calling conventions
 ===================
@@ -61,7 +67,8 @@ arguments beyond the global size: each work item computes its ``gidx`` from the 
 (``get_global_id(d)``, ``blockIdx*blockDim+threadIdx``) and returns when it lies outside the
 global size, so the launcher may round the grid up to a multiple of the local size. CUDA kernels
 are ``extern "C"``; half buffers use ``cuda_fp16.h``; bfloat16 is stored as 16-bit integers and
-converted by helpers the kernel carries, identically on every backend.
+converted by helpers the kernel carries, identically on every backend. Helpers are guarded, so
+kernels rendered for one backend can be concatenated into one compilation unit.
 """
 
 from __future__ import annotations
@@ -844,8 +851,11 @@ class Kernel:
         self.body = body
         self.global_size = None if global_size is None else self._size(global_size)
         parser = _Parser(name, body, self.params)
-        #: The checked, typed body.
-        self.statements: tuple[Stmt, ...] = parser.parse()
+        try:
+            #: The checked, typed body.
+            self.statements: tuple[Stmt, ...] = parser.parse()
+        except RecursionError:
+            raise KernelError(f"kernel {name!r}: the body nests too deeply") from None
         #: Names of the buffers the body actually reads and writes.
         self.read: frozenset[str] = frozenset(parser.read)
         self.written: frozenset[str] = frozenset(parser.written)

@@ -1,0 +1,379 @@
+"""Compilation (cold, concurrent, cached, single flight) and multi-threaded CPU kernels,
+side by side with tinygrad 0.14 where it is installed.
+
+    python bench/compile.py            # 5 repetitions, elementwise over 64 Mi floats
+    python bench/compile.py --quick    # 3 repetitions, 16 Mi floats
+
+Rows (medians over the repetitions; every repetition uses fresh kernel sources, so "cold" means
+a miss in both the in-memory and the persistent cache, with the compiler's identity already
+known):
+
+1. one cold ``compile_cached`` of a rendered kernel (a ``cc`` subprocess), and tinygrad's
+   synchronous ``ClangCompiler.compile`` of the same source;
+2. 16 distinct kernels compiled one after another, then concurrently from one task group
+   (target: ≥ 1.7× faster with 2+ cores);
+3. a ``compile_cached`` hit (target ≤ 5 µs), and tinygrad's ``compile_cached`` hit;
+4. single flight: 32 concurrent ``compile_cached`` calls for one new source run exactly one
+   compiler process (``compiler.compiles``);
+5. an elementwise ``Kernel`` over 64 Mi floats: ``await prog(...)`` of ``dev.program(kernel)``
+   on a device limited to one thread (``CPU_THREADS=1``), then on the default device, which
+   splits it across every core with the ``core_id, core_count`` convention (target ≥ 1.7×);
+   the same binary called through cffi from Python threads is the reference.
+
+The compile caches live in a temporary directory (``CACHEDB``), never in ~/.cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keep the compile caches (ours and tinygrad's, which reads CACHEDB at import) out of ~/.cache.
+_TMP = tempfile.mkdtemp(prefix="aiotinyrt-bench-")
+atexit.register(shutil.rmtree, _TMP, True)
+os.environ["CACHEDB"] = os.path.join(_TMP, "cache.db")
+
+import anyio  # noqa: E402
+import cffi  # noqa: E402
+
+from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
+from aiotinyrt.compiler import Compiler  # noqa: E402
+from aiotinyrt.renderer import BufferParam, ClangRenderer, IntParam, Kernel, cpu_threads  # noqa: E402
+
+TARGET_CONCURRENT_X = 1.7
+TARGET_HIT_US = 5.0
+TARGET_THREADS_X = 1.7
+MI = 1 << 20
+
+
+def compile_kernel(nonce: str, i: int) -> str:
+    """A small, realistic kernel (a 2-D stencil with a reduction loop), distinct per (nonce, i)."""
+    k = Kernel(
+        f"k_{nonce}_{i}",
+        [BufferParam("out", dtypes.float32, "w"), BufferParam("x", dtypes.float32), IntParam("taps")],
+        f"""
+        float acc = 0.0f;
+        for (int t = 0; t < taps; t++) {{
+          int j = min(gidx0 + t, gsz0 - 1);
+          acc += x[gidx1 * gsz0 + j] * (float)(t + {i + 1}) + sqrt(fabs(x[j]));
+        }}
+        out[gidx1 * gsz0 + gidx0] = acc > 0.0f ? acc : exp(acc);
+        """,
+    )
+    return ClangRenderer().render(k)
+
+
+ELEMENTWISE = Kernel(
+    "elementwise",
+    [BufferParam("out", dtypes.float32, "w"), BufferParam("x", dtypes.float32)],
+    "float v = x[gidx0]; out[gidx0] = v * 1.5f + sqrt(fabs(v)) / (1.0f + v * v);",
+)
+
+
+@dataclass
+class Samples:
+    values: dict[str, list[float]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.values.setdefault(key, []).append(value)
+
+    def median(self, key: str) -> float | None:
+        vals = self.values.get(key)
+        return statistics.median(vals) if vals else None
+
+
+# ---- tinygrad anchors --------------------------------------------------------------------------
+
+
+def tinygrad_compiler() -> tuple[Any, str]:
+    try:
+        from importlib import metadata
+
+        from tinygrad.runtime.support.compiler_cpu import ClangCompiler as TinyClang
+    except Exception as exc:  # any import problem means "not available"
+        return None, f"n/a ({type(exc).__name__})"
+    arch = {"amd64": "x86_64", "aarch64": "arm64"}.get(platform.machine().lower(), platform.machine().lower())
+    return TinyClang([arch, "native"]), f"tinygrad {metadata.version('tinygrad')}"
+
+
+def tinygrad_rep(tg: Any, nonce: str, out: Samples) -> None:
+    src = compile_kernel(f"tg{nonce}", 0)
+    start = time.perf_counter()
+    tg.compile(src)
+    out.add("tg_cold", (time.perf_counter() - start) * 1e3)
+    srcs = [compile_kernel(f"tgs{nonce}", i) for i in range(16)]
+    start = time.perf_counter()
+    for s in srcs:
+        tg.compile(s)
+    out.add("tg_seq16", (time.perf_counter() - start) * 1e3)
+    hit = compile_kernel(f"tghit{nonce}", 0)
+    tg.compile_cached(hit)  # miss: compiles and stores in tinygrad's sqlite cache
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        tg.compile_cached(hit)
+    out.add("tg_hit", (time.perf_counter() - start) / n * 1e6)
+
+
+# ---- aiotinyrt ---------------------------------------------------------------------------------
+
+
+async def compile_suite(backend: str, nonce: str, out: Samples, hits: int) -> None:
+    dev = Device["CPU"]
+    compiler: Compiler = dev.compiler
+    await compiler.compile_cached(compile_kernel("warmup", 0))  # the compiler's identity, once
+
+    src = compile_kernel(f"cold{nonce}{backend}", 0)
+    start = time.perf_counter()
+    await compiler.compile_cached(src)
+    out.add(f"cold/{backend}", (time.perf_counter() - start) * 1e3)
+
+    srcs = [compile_kernel(f"seq{nonce}{backend}", i) for i in range(16)]
+    start = time.perf_counter()
+    for s in srcs:
+        await compiler.compile_cached(s)
+    out.add(f"seq16/{backend}", (time.perf_counter() - start) * 1e3)
+
+    srcs = [compile_kernel(f"con{nonce}{backend}", i) for i in range(16)]
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for s in srcs:
+            tg.start_soon(compiler.compile_cached, s)
+    out.add(f"con16/{backend}", (time.perf_counter() - start) * 1e3)
+
+    hit = srcs[0]
+    start = time.perf_counter()
+    for _ in range(hits):
+        await compiler.compile_cached(hit)
+    out.add(f"hit/{backend}", (time.perf_counter() - start) / hits * 1e6)
+
+    one = compile_kernel(f"flight{nonce}{backend}", 0)
+    before = compiler.compiles
+    start = time.perf_counter()
+    results: list[bytes] = []
+
+    async def ask() -> None:
+        results.append(await compiler.compile_cached(one))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(32):
+            tg.start_soon(ask)
+    out.add(f"flight_ms/{backend}", (time.perf_counter() - start) * 1e3)
+    out.add(f"flight_procs/{backend}", compiler.compiles - before)
+    assert len(results) == 32 and len(set(results)) == 1
+
+
+async def threads_suite(n: int, reps: int, out: Samples) -> None:
+    """Elementwise over ``n`` floats: on one thread, then split across every core by the device;
+    the same binary called through cffi from Python threads is the reference."""
+    dev = Device["CPU"]
+    os.environ["CPU_THREADS"] = "1"  # a second CPU device that never splits: the 1-thread baseline
+    try:
+        single = Device["CPU:1"]
+    finally:
+        del os.environ["CPU_THREADS"]
+    threads = cpu_threads((n,), getattr(dev, "threads", os.cpu_count() or 1))
+    chunk = bytes(range(256)) * (4 * MI // 256)  # fills the input, faulting every page in
+    data = bytearray(n * 4)
+    for offset in range(0, n * 4, len(chunk)):
+        data[offset : offset + len(chunk)] = chunk[: n * 4 - offset]
+    bufs = {}
+    for d in (dev, single):
+        x = await Buffer(d.name, n, dtypes.float32).allocate()
+        y = await Buffer(d.name, n, dtypes.float32).allocate()
+        await x.copyin(data)
+        await y.copyin(data)
+        bufs[d.name] = (y, x)
+    split_prog = await dev.program(ELEMENTWISE)
+    single_prog = await single.program(ELEMENTWISE)
+
+    # the reference: the same binary, loaded with cffi and called from Python threads
+    lib = await dev.compiler.compile_cached(ClangRenderer().render(ELEMENTWISE))
+    path = os.path.join(_TMP, "elementwise.so")
+    with open(path, "wb") as f:
+        f.write(lib)
+    ffi = cffi.FFI()
+    ffi.cdef(f"void {ELEMENTWISE.name}(void *, void *, int, int, int, int, int);")
+    fn: Callable[..., None] = getattr(ffi.dlopen(path), ELEMENTWISE.name)
+    y, x = bufs[dev.name]
+    addrs = (ffi.cast("void *", y.handle().addr), ffi.cast("void *", x.handle().addr))
+    launch = ELEMENTWISE.launch_vals((), (n,))
+
+    def run(core_id: int, core_count: int) -> None:
+        fn(*addrs, *launch, core_id, core_count)
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        await single_prog(*bufs[single.name], global_size=(n,))  # warm up
+        await split_prog(*bufs[dev.name], global_size=(n,))
+        list(pool.map(lambda i: run(i, threads), range(threads)))
+        for _ in range(reps):
+            start = time.perf_counter()
+            await single_prog(*bufs[single.name], global_size=(n,))
+            out.add("dev1", (time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            await split_prog(*bufs[dev.name], global_size=(n,))
+            out.add("devn", (time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            pool.submit(run, 0, 1).result()
+            out.add("raw1", (time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            list(pool.map(lambda i: run(i, threads), range(threads)))
+            out.add("rawn", (time.perf_counter() - start) * 1e3)
+    out.notes["threads"] = str(threads)
+    for pair in bufs.values():
+        for b in pair:
+            await b.free()
+    await single.aclose()
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def verdict(values: Sequence[float | None], ok: Callable[[float], bool]) -> str:
+    marks = ["n/a" if v is None else ("PASS" if ok(v) else "MISS") for v in values]
+    return marks[0] if len(set(marks)) == 1 else " / ".join(marks)
+
+
+def report(s: Samples, n: int, tg_label: str, reps: int, load: tuple[float, float]) -> str:
+    m = s.median
+    loops = ("asyncio", "trio")
+    rows: list[tuple[str, ...]] = []
+
+    def per_loop(key: str, digits: int = 2) -> list[str]:
+        return [fmt(m(f"{key}/{b}"), digits) for b in loops]
+
+    rows.append(("1. cold compile_cached, one kernel (cc subprocess)", "ms", *per_loop("cold", 1), "—", ""))
+    rows.append(
+        (
+            f"   {tg_label}: ClangCompiler.compile, same source",
+            "ms",
+            fmt(m("tg_cold"), 1),
+            "(sync)",
+            "—",
+            "ref",
+        )
+    )
+    rows.append(("2. 16 distinct kernels, one after another", "ms", *per_loop("seq16", 0), "—", ""))
+    rows.append(
+        ("   16 distinct kernels, concurrently (one task group)", "ms", *per_loop("con16", 0), "—", "")
+    )
+    speed = [
+        None if m(f"seq16/{b}") is None or not m(f"con16/{b}") else m(f"seq16/{b}") / m(f"con16/{b}")  # type: ignore[operator]
+        for b in loops
+    ]
+    rows.append(
+        (
+            f"   speed-up of concurrent ({os.cpu_count()} cores)",
+            "×",
+            *[fmt(v) for v in speed],
+            f"≥ {TARGET_CONCURRENT_X}",
+            verdict(speed, lambda v: v >= TARGET_CONCURRENT_X),
+        )
+    )
+    rows.append(
+        (f"   {tg_label}: 16 compiles, one after another", "ms", fmt(m("tg_seq16"), 0), "(sync)", "—", "ref")
+    )
+    hit = [m(f"hit/{b}") for b in loops]
+    rows.append(
+        (
+            "3. compile_cached hit (in-memory)",
+            "µs/call",
+            *[fmt(v) for v in hit],
+            f"≤ {TARGET_HIT_US}",
+            verdict(hit, lambda v: v <= TARGET_HIT_US),
+        )
+    )
+    rows.append(
+        (f"   {tg_label}: compile_cached hit (sqlite)", "µs/call", fmt(m("tg_hit")), "(sync)", "—", "ref")
+    )
+    procs = [m(f"flight_procs/{b}") for b in loops]
+    rows.append(
+        (
+            "4. single flight: 32 concurrent compile_cached, one source",
+            "compiler runs",
+            *[fmt(v, 0) for v in procs],
+            "= 1",
+            verdict(procs, lambda v: v == 1),
+        )
+    )
+    rows.append(("   wall time of the 32 calls", "ms", *per_loop("flight_ms", 1), "—", ""))
+    threads = s.notes.get("threads", "?")
+    size = f"{n // MI} Mi floats"
+    dev1, devn, raw1, rawn = m("dev1"), m("devn"), m("raw1"), m("rawn")
+    rows.append(
+        (f"5. elementwise over {size}: one thread (CPU_THREADS=1)", "ms", fmt(dev1, 1), "", "—", "ref")
+    )
+    ratio = None if dev1 is None or not devn else dev1 / devn
+    rows.append(
+        (
+            f"   split by the device over {threads} cores (core_id/core_count)",
+            "ms",
+            fmt(devn, 1),
+            f"{fmt(ratio)} ×",
+            f"≥ {TARGET_THREADS_X}×",
+            verdict([ratio], lambda v: v >= TARGET_THREADS_X),
+        )
+    )
+    raw_ratio = None if raw1 is None or not rawn else raw1 / rawn
+    rows.append(
+        (
+            f"   reference: same binary via cffi, 1 thread / {threads} Python threads",
+            "ms",
+            f"{fmt(raw1, 1)} / {fmt(rawn, 1)}",
+            f"{fmt(raw_ratio)} ×",
+            "—",
+            "ref",
+        )
+    )
+    header = ("measurement", "unit", "asyncio", "trio", "target", "verdict")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"aiotinyrt compile & threads bench — {platform.machine()}, {os.cpu_count()} cores, python "
+        f"{platform.python_version()}, medians of {reps} repetitions, load average {load[0]:.2f} at start, "
+        f"{load[1]:.2f} at end (above ~0.5 other work shares the cores: parallel rows understate)",
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 repetitions, 16 Mi floats")
+    args = parser.parse_args(argv)
+    reps = 3 if args.quick else 5
+    n = (16 if args.quick else 64) * MI
+    hits = 20000
+    samples = Samples()
+    load_start = os.getloadavg()[0]
+    tg, tg_label = tinygrad_compiler()
+    for rep in range(reps):
+        nonce = f"{os.getpid()}_{rep}"
+        if tg is not None:
+            tinygrad_rep(tg, nonce, samples)
+        anyio.run(compile_suite, "asyncio", nonce, samples, hits, backend="asyncio")
+        anyio.run(compile_suite, "trio", nonce, samples, hits, backend="trio")
+    anyio.run(threads_suite, n, reps, samples)
+    print(report(samples, n, tg_label, reps, (load_start, os.getloadavg()[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
