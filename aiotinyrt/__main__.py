@@ -418,7 +418,7 @@ async def _measure(
     return time.perf_counter() - start, predicted
 
 
-async def digits_demo(*, passes: int = 10, wide: int = 512, wide_images: int = 2048) -> None:
+async def digits_demo(*, passes: int = 10, wide: int = 1024, wide_images: int = 2048) -> None:
     """The digits MLP (trained weights) and a wider one of the same shape (random weights), each
     run on CPU alone (one micro-batch at a time) and as a CPU -> CPU:1 pipeline (4 in flight)."""
     path = resources.files("aiotinyrt") / "data" / "digits_mlp.npz"

@@ -1,0 +1,85 @@
+"""``python -m aiotinyrt demo``: runs the digits MLP pipeline within a time bound, on every loop,
+from the package alone (weights and held-out images are package data)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiotinyrt import __main__ as demo
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "aiotinyrt" / "data" / "digits_mlp.npz"
+SERVER_DIR = ROOT / "examples" / "inference_server"
+if str(SERVER_DIR) not in sys.path:
+    sys.path.insert(0, str(SERVER_DIR))
+
+import mlp  # noqa: E402
+
+TIME_BOUND = 90  # seconds; the demo's target is 30 s with a warm compile cache on 2 cores
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio", "uvloop"])
+def test_demo_runs_the_digits_pipeline_and_prints_a_table(loop: str) -> None:
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "aiotinyrt", "demo", "--loop", loop],
+        capture_output=True,
+        text=True,
+        timeout=TIME_BOUND,
+        check=False,
+        cwd=ROOT / "tests",  # not the repository root: the package is found as installed
+    )
+    elapsed = time.perf_counter() - start
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert elapsed < TIME_BOUND
+    assert "devices: CPU" in out and "compile (cache hit)" in out  # the first part is kept
+    assert "compiling the MLP kernels" in out  # progress while compiling
+    rows = [line for line in out.splitlines() if line.startswith("  digits ") or line.startswith("  random-")]
+    assert len(rows) == 4, out
+    assert sum("CPU -> CPU:1" in row for row in rows) == 2
+    for row in rows:
+        images_per_s = re.search(r"\s([\d,]+)\s", row.split("flight", 1)[1])
+        assert images_per_s is not None and int(images_per_s.group(1).replace(",", "")) > 0, row
+    accuracy = re.search(r"held-out accuracy through the served path: ([\d.]+) \(ok\)", out)
+    assert accuracy is not None and float(accuracy.group(1)) >= 0.95, out
+
+
+def test_demo_kernels_are_the_served_kernels() -> None:
+    """The demo carries its own copy of the example's kernels (it must run without the
+    repository); they must not drift apart."""
+    assert demo.KERNELS == mlp.KERNELS
+
+
+def test_weights_read_without_numpy_equal_numpy() -> None:
+    with np.load(DATA) as ref:
+        for reader in (demo.read_npz, mlp.read_npz):
+            arrays = reader(DATA)
+            assert set(arrays) == set(ref.files)
+            for name, (values, shape) in arrays.items():
+                assert shape == ref[name].shape, name
+                assert np.array_equal(np.frombuffer(values, ref[name].dtype).reshape(shape), ref[name]), name
+    spec, test = mlp.load_digits_mlp(DATA)
+    assert spec.widths == [64, 64, 64, 64, 10]
+    assert len(test) == 360 and set(test.labels) == set(range(10))
+
+
+def test_weights_are_package_data() -> None:
+    """``pip install .`` must install aiotinyrt/data/digits_mlp.npz, or the demo cannot run."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools = config["tool"]["setuptools"]
+    assert "aiotinyrt" in setuptools["packages"]
+    patterns = setuptools.get("package-data", {}).get("aiotinyrt", [])
+    assert any(fnmatch("data/digits_mlp.npz", p) for p in patterns), (
+        f"pyproject.toml [tool.setuptools.package-data] aiotinyrt = {patterns} does not include "
+        "data/digits_mlp.npz"
+    )
