@@ -316,7 +316,9 @@ class Buffer:
         """The contents as a memoryview of unsigned bytes, after pending writes complete.
 
         Zero-copy where the device memory is host memory (CPU): the view aliases the buffer and
-        keeps the memory alive even after ``free()``. Elsewhere, a copy.
+        keeps the memory alive even after ``free()``; it is a window, not a snapshot, so work
+        submitted later that writes the buffer changes what it shows. Elsewhere, a copy. Use
+        :meth:`numpy` or :meth:`copyout` for a snapshot ordered like any other read.
 
         Cancellation: cancels the wait; nothing is returned and nothing is changed.
         """
@@ -337,16 +339,18 @@ class Buffer:
         return out
 
     async def numpy(self) -> np.ndarray[Any, Any]:
-        """A numpy copy of the contents (numpy is imported only here).
+        """A numpy copy of the contents (numpy is imported only here), read on the copy queue in
+        order with the work submitted before the call.
 
-        Cancellation: cancels the wait; nothing is returned.
+        Cancellation: cancels the wait; the copy still completes, into an array nobody sees.
         """
         import numpy as np
 
         if self.dtype.fmt is None:
             raise TypeError(f"{self.dtype} has no numpy equivalent")
-        data = await self.as_memoryview()
-        return np.frombuffer(data, dtype=np.dtype(self.dtype.fmt)).copy()
+        out = np.empty(self.size, dtype=np.dtype(self.dtype.fmt))
+        await self.copyout(out)  # a read, ordered like any other
+        return out
 
     async def copy_from(self, src: Buffer) -> Buffer:
         """Copy ``src`` (same size in bytes, any device) into this buffer.

@@ -24,13 +24,17 @@ import os
 import sqlite3
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
 from aiotinyrt.helpers import getenv, getenv_str
+
+T = TypeVar("T")
 
 
 class CompileError(RuntimeError):
@@ -56,8 +60,8 @@ def cache_path() -> Path:
 class DiskCache:
     """The sqlite compile cache. Every method blocks, so call it from a worker thread.
 
-    After the first error (corrupt, locked, read-only, disk full) it warns once and turns itself
-    off for the rest of the process.
+    A corrupt file is replaced by an empty one; any other error (locked, read-only, disk full)
+    turns the cache off for the rest of the process. Either way it warns once.
     """
 
     VERSION = 1
@@ -66,6 +70,7 @@ class DiskCache:
         self.path = path
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
+        self._warned = False
         self.disabled = False
 
     def _connect(self) -> sqlite3.Connection:
@@ -85,43 +90,65 @@ class DiskCache:
             self._conn = conn
         return self._conn
 
-    def _give_up(self, exc: BaseException) -> None:
-        self.disabled = True
-        warnings.warn(
-            f"aiotinyrt: compile cache {self.path} is unusable ({exc!r}); compiling without it",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"aiotinyrt: compile cache {self.path} {message}", RuntimeWarning, stacklevel=4)
+
+    def _drop_connection(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None
 
-    def get(self, key: str) -> bytes | None:
+    def _rebuild(self, exc: BaseException) -> bool:
+        """Replace a corrupt cache file with an empty one; False if that is impossible."""
+        self._drop_connection()
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            self._connect()
+        except (sqlite3.Error, OSError):
+            return False
+        self._warn(f"was corrupt ({exc}); rebuilt it empty")
+        return True
+
+    def _attempt(self, op: Callable[[sqlite3.Connection], T]) -> T | None:
+        """Run ``op`` on the connection. A corrupt file is rebuilt once and ``op`` retried; any
+        other error (locked, read-only, disk full) turns the cache off with one warning."""
         with self._lock:
             if self.disabled:
                 return None
             try:
-                row = (
-                    self._connect()
-                    .execute(f"SELECT lib FROM compile_v{self.VERSION} WHERE key = ?", (key,))
-                    .fetchone()
-                )
+                return op(self._connect())
             except (sqlite3.Error, OSError) as exc:
-                self._give_up(exc)
+                corrupt = isinstance(exc, sqlite3.DatabaseError) and not isinstance(
+                    exc, sqlite3.OperationalError
+                )
+                if corrupt and self._rebuild(exc):
+                    try:
+                        return op(self._connect())
+                    except (sqlite3.Error, OSError) as again:
+                        exc = again
+                self.disabled = True
+                self._drop_connection()
+                self._warn(f"is unusable ({exc!r}); compiling without it")
                 return None
-            return None if row is None else bytes(row[0])
+
+    def get(self, key: str) -> bytes | None:
+        row = self._attempt(
+            lambda conn: conn.execute(
+                f"SELECT lib FROM compile_v{self.VERSION} WHERE key = ?", (key,)
+            ).fetchone()
+        )
+        return None if row is None else bytes(row[0])
 
     def put(self, key: str, lib: bytes) -> None:
-        with self._lock:
-            if self.disabled:
-                return
-            try:
-                self._connect().execute(
-                    f"INSERT OR REPLACE INTO compile_v{self.VERSION} (key, lib) VALUES (?, ?)", (key, lib)
-                )
-            except (sqlite3.Error, OSError) as exc:
-                self._give_up(exc)
+        self._attempt(
+            lambda conn: conn.execute(
+                f"INSERT OR REPLACE INTO compile_v{self.VERSION} (key, lib) VALUES (?, ?)", (key, lib)
+            )
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -154,7 +181,10 @@ class Compiler:
         self.cachekey = cachekey
         self._memory: dict[str, bytes] = {}  # cache key -> binary
         self._by_src: dict[str, bytes] = {}  # source -> binary, the in-memory front
-        self._inflight: dict[str, anyio.Event] = {}
+        # single flight is per event loop: an anyio.Event cannot be awaited from another loop
+        self._inflight_var: anyio.lowlevel.RunVar[dict[str, anyio.Event]] = anyio.lowlevel.RunVar(
+            f"aiotinyrt_inflight_{id(self)}"
+        )
         self._identity: str | None = None
         self._identity_lock = _LoopLock()
         self._failed: dict[str, BaseException] = {}  # the failure of an in-flight compile
@@ -215,7 +245,12 @@ class Compiler:
             self._by_src[src] = lib
             await anyio.lowlevel.checkpoint()
             return lib
-        while (event := self._inflight.get(key)) is not None:
+        try:
+            inflight = self._inflight_var.get()
+        except LookupError:
+            inflight = {}
+            self._inflight_var.set(inflight)
+        while (event := inflight.get(key)) is not None:
             await event.wait()
             lib = self._memory.get(key)
             if lib is not None:
@@ -223,7 +258,7 @@ class Compiler:
             failure = self._failed.get(key)
             if failure is not None:  # the compile we waited for failed: so does this call
                 raise failure
-        done = self._inflight[key] = anyio.Event()
+        done = inflight[key] = anyio.Event()
         self._failed.pop(key, None)
         try:
             cache = disk_cache()
@@ -240,7 +275,7 @@ class Compiler:
             self._failed[key] = exc  # waiters share it; the next call after them compiles again
             raise
         finally:
-            del self._inflight[key]
+            del inflight[key]
             done.set()
 
     async def _compile_counted(self, src: str) -> bytes:

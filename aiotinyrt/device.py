@@ -486,9 +486,19 @@ async def synchronize(*devices: Compiled | str) -> None:
     if not devs:
         await anyio.lowlevel.checkpoint()
         return
+    failures: list[BaseException] = []
+
+    async def settle(dev: Compiled) -> None:
+        try:
+            await dev._settle()
+        except Exception as exc:  # a timeout: report it after every device was waited for
+            failures.append(exc)
+
     async with anyio.create_task_group() as tg:
         for dev in devs:
-            tg.start_soon(dev._settle)
+            tg.start_soon(settle, dev)
+    if failures:
+        raise failures[0]
     for dev in devs:
         if dev._error is not None:
             raise dev._error

@@ -47,15 +47,16 @@ def current_capture() -> Graph | None:
 @dataclass
 class _Entry:
     """One recorded command: ``fn(*args)`` on ``queue``. ``bufs[i]`` appears in ``args`` at the
-    positions ``slots[i]`` (its handle, or its address for CPU kernels); ``after`` lists the
-    indices of earlier entries this one waits for (``wait_for`` on captured signals)."""
+    positions ``slots[i]``, each ``(position, is_ptr)``: its handle, or the pointer object the
+    handle carries (CPU kernels); ``after`` lists the indices of earlier entries this one waits
+    for (``wait_for`` on captured signals)."""
 
     queue: HostQueue
     fn: Callable[..., object]
     args: list[Any]
     bufs: list[Buffer]
     writes: list[bool]
-    slots: list[list[int]]
+    slots: list[list[tuple[int, bool]]]
     after: list[int]
     program: Any = None  # the Program, for native CPU runs and keep-alive
 
@@ -191,7 +192,8 @@ class Graph:
 
     # ---- replay -------------------------------------------------------------------------------
     def _substitutions(self, subs: dict[str, Buffer]) -> dict[int, Buffer]:
-        """Map id(original buffer) -> replacement, after checking every replacement."""
+        """Map id(original buffer) -> replacement, after checking every replacement. Views of a
+        named buffer map to the same view of its replacement (see :func:`_swapped`)."""
         out: dict[int, Buffer] = {}
         for name, new in subs.items():
             old = self._names.get(name)
@@ -247,7 +249,7 @@ class Graph:
         if swap:
             merged: dict[int, tuple[Buffer, bool]] = {}
             for buf, write in run.accesses:
-                actual = swap.get(id(buf), buf)
+                actual = _swapped(buf, swap) or buf
                 previous = merged.get(id(actual))
                 merged[id(actual)] = (actual, write or (previous is not None and previous[1]))
             accesses = list(merged.values())
@@ -262,7 +264,7 @@ class Graph:
             if swap:
                 args = native.copy_args(args)
                 for (e, b), slots in native.positions.items():
-                    new = swap.get(id(run.entries[e].bufs[b]))
+                    new = _swapped(run.entries[e].bufs[b], swap)
                     if new is not None:
                         addr = new.handle().addr
                         for slot in slots:
@@ -276,22 +278,32 @@ class Graph:
             if swap:
                 call_args = list(call_args)
                 for b, buf in enumerate(entry.bufs):
-                    new = swap.get(id(buf))
+                    new = _swapped(buf, swap)
                     if new is not None:
-                        old_handle, new_handle = buf.handle(), new.handle()
-                        for slot in entry.slots[b]:
-                            is_ptr = call_args[slot] is not old_handle
+                        new_handle = new.handle()
+                        for slot, is_ptr in entry.slots[b]:
                             call_args[slot] = new_handle.ptr if is_ptr else new_handle
             calls.append((entry.fn, tuple(call_args)))
         return _run_calls, (calls,), accesses, (run, accesses)
 
 
-def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[int]:
-    """Positions of ``buf`` in a command's arguments: its handle, or (CPU kernels) the pointer
-    object the handle carries."""
+def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[tuple[int, bool]]:
+    """Positions of ``buf`` in a command's arguments, each with whether it is the pointer object
+    the handle carries (CPU kernels) rather than the handle itself."""
     handle = buf.handle()
     ptr = getattr(handle, "ptr", None)
-    return [j for j, a in enumerate(args) if a is handle or (ptr is not None and a is ptr)]
+    return [(j, a is not handle) for j, a in enumerate(args) if a is handle or (ptr is not None and a is ptr)]
+
+
+def _swapped(buf: Buffer, swap: dict[int, Buffer]) -> Buffer | None:
+    """The replacement for ``buf`` in a replay: the substitute itself, or for a view of a
+    substituted buffer the same view of the substitute; None when ``buf`` is not replaced."""
+    new = swap.get(id(buf))
+    if new is None and buf._base is not None:
+        new_base = swap.get(id(buf._base))
+        if new_base is not None:
+            new = swap[id(buf)] = new_base.view(buf.size, buf.dtype, buf.offset)
+    return new
 
 
 def _run_calls(calls: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:

@@ -40,6 +40,7 @@ _ffi.cdef(
     char *dlerror(void);
     int dlclose(void *handle);
     void *memcpy(void *dest, const void *src, size_t n);
+    void *memmove(void *dest, const void *src, size_t n);
     """
 )
 try:
@@ -48,7 +49,7 @@ try:
 except (OSError, AttributeError):
     _libc = _ffi.dlopen("libdl.so.2")
 # resolve every symbol now: a lazy lookup of dlerror would clear the error it should report
-for _symbol in ("dlopen", "dlsym", "dlerror", "dlclose", "memcpy"):
+for _symbol in ("dlopen", "dlsym", "dlerror", "dlclose", "memcpy", "memmove"):
     getattr(_libc, _symbol)
 
 
@@ -99,14 +100,16 @@ class ClangCompiler(Compiler):
         """
         if debug_level() >= 4:
             print(src)
-        tmp = await anyio.to_thread.run_sync(tempfile.mkdtemp, "", "aiotinyrt-")
+        # the source goes through a file, not stdin: a compiler that dies early must not turn
+        # into a broken pipe on our side
+        tmp = await anyio.to_thread.run_sync(_write_source, src)
         try:
             out = os.path.join(tmp, "kernel.so")
-            argv = [*self.cc, *self.FLAGS, "-x", "c", "-", "-o", out, "-lm"]
+            argv = [*self.cc, *self.FLAGS, "-x", "c", os.path.join(tmp, "kernel.c"), "-o", out, "-lm"]
             limit = compile_timeout()
             try:
                 with anyio.fail_after(limit):
-                    result = await anyio.run_process(argv, input=src.encode(), check=False)
+                    result = await anyio.run_process(argv, check=False)
             except TimeoutError:
                 raise CompileError(f"{self.cc[0]} did not finish within {limit:g} s", src=src) from None
             if result.returncode != 0:
@@ -131,6 +134,12 @@ class ClangCompiler(Compiler):
             f.write(lib)
             f.flush()
             return subprocess.run([objdump, "-d", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _write_source(src: str) -> str:
+    tmp = tempfile.mkdtemp(prefix="aiotinyrt-")
+    Path(tmp, "kernel.c").write_text(src)
+    return tmp
 
 
 def _cpu_model() -> str:
@@ -273,7 +282,8 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         )
 
     def _transfer(self, dest: CPUMemory, src: Any, nbytes: int, src_device: Compiled) -> None:
-        _libc.memcpy(_ffi.cast("void *", dest.addr), _ffi.cast("void *", src.addr), nbytes)
+        # memmove: two views of one buffer may overlap
+        _libc.memmove(_ffi.cast("void *", dest.addr), _ffi.cast("void *", src.addr), nbytes)
 
     def _can_transfer_from(self, src_device: Compiled) -> bool:
         return isinstance(src_device.allocator, CPUAllocator)
@@ -388,7 +398,7 @@ class CPUDevice(Compiled):
                 for a in entry.args
             )
             for b, slots in enumerate(entry.slots):
-                positions[(i, b)] = [base + j for j in slots]
+                positions[(i, b)] = [base + j for j, _ in slots]
             lines.append(f"  ((void (*)({params}))f[{i}])({', '.join(call)});")
         src = (
             "#include <stdint.h>\n"

@@ -1,0 +1,349 @@
+"""Captured graphs: replay equals eager execution (with and without substituted buffers), graphs
+spanning two devices keep their dependencies, captured launches do not run, bad replays raise
+before anything is enqueued, and NULL graphs replay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import aiotinyrt as rt
+from aiotinyrt import Buffer, BufferSpec, Device, Program, Signal, dtypes
+from aiotinyrt.graph import Graph
+from tests.test_ordering import (
+    AXPB,
+    BASES,
+    DEVICES,
+    IntArray,
+    N,
+    Op,
+    assert_stays_pending,
+    contents,
+    gate_on,
+    int_buffer,
+    ops,
+    run_on_devices,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def submitted() -> list[int]:
+    """How many commands every queue of CPU, CPU:1 and NULL has been given so far."""
+    return [q.timeline.submitted for d in (*DEVICES, "NULL") for q in Device[d].queues.values()]
+
+
+async def axpb_programs() -> dict[str, Program]:
+    return {dev: await Device[dev].program("axpb", AXPB) for dev in DEVICES}
+
+
+# ---- replay equals eager execution ---------------------------------------------------------------
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    program=st.lists(ops(kinds=("launch", "launch", "copy"), spins=(0, 3000)), min_size=1, max_size=12),
+    seed=st.integers(0, 2**16),
+    replays=st.integers(1, 2),
+)
+async def test_replay_equals_eager_execution_of_the_same_launches_and_copies(
+    program: list[Op], seed: int, replays: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    initial = {key: rng.integers(0, 0xFFFF, N, dtype=np.int32) for key in BASES}
+    progs = await axpb_programs()
+    eager = {key: await int_buffer(key[0], initial[key]) for key in BASES}
+    graphed = {key: await int_buffer(key[0], initial[key]) for key in BASES}
+    try:
+        for _ in range(replays):
+            await run_on_devices(program, eager, progs)
+        async with Device["CPU"].capture() as graph:
+            await run_on_devices(program, graphed, progs, capturing=True)
+        await rt.synchronize(*DEVICES)
+        for key in BASES:
+            assert await contents(graphed[key]) == initial[key].tolist(), "capture ran something"
+        signals = [graph.replay() for _ in range(replays)]  # back to back, none awaited yet
+        for sig in signals:
+            assert isinstance(await sig, float)
+        for key in BASES:
+            assert await contents(graphed[key]) == await contents(eager[key]), f"base {key}"
+    finally:
+        for buf in (*eager.values(), *graphed.values()):
+            await buf.free()
+
+
+def chain_expected(x: IntArray) -> list[int]:
+    """What :func:`capture_chain` computes: out = ((x * 2 + 1) * 3) & 0xFFFF."""
+    return [((int(v) * 2 + 1) & 0xFFFF) * 3 & 0xFFFF for v in x]
+
+
+async def capture_chain(
+    progs: dict[str, Program], x: Buffer, mid: Buffer, far: Buffer, out: Buffer, spin: int = 0
+) -> Graph:
+    """CPU: mid = x*2+1; CPU:1: far = mid (transfer); CPU:1: out = far*3. Names ``x`` and ``out``."""
+    async with Device["CPU"].capture(x=x, out=out) as graph:
+        progs["CPU"](mid, x, vals=(x.size, 2, 1, spin), writes=(0,))
+        await far.copy_from(mid)
+        progs["CPU:1"](out, far, vals=(x.size, 3, 0, spin), writes=(0,))
+    return graph
+
+
+async def test_replay_with_substituted_inputs_and_outputs_equals_eager_execution() -> None:
+    progs = await axpb_programs()
+    size = 64
+    x = await int_buffer("CPU", np.arange(size))
+    mid = await int_buffer("CPU", 0, size=size)
+    far = await int_buffer("CPU:1", 0, size=size)
+    out = await int_buffer("CPU:1", 0, size=size)
+    graph = await capture_chain(progs, x, mid, far, out, spin=2000)
+    assert graph.devices == ["CPU", "CPU:1"]
+    rng = np.random.default_rng(7)
+    inputs = [rng.integers(0, 0xFFFF, size, dtype=np.int32) for _ in range(4)]
+    xs = [await int_buffer("CPU", values) for values in inputs]
+    outs = [await int_buffer("CPU:1", 0, size=size) for _ in inputs]
+    # every replay shares mid and far: back to back, each must wait for the last one's reads
+    signals = [graph.replay(x=xi, out=oi) for xi, oi in zip(xs, outs, strict=True)]
+    original = graph(x=x)  # __call__ is replay; out is the captured buffer
+    for sig in [*signals, original]:
+        await sig
+    for values, oi in zip(inputs, outs, strict=True):
+        assert await contents(oi) == chain_expected(values)
+    assert await contents(out) == chain_expected(np.arange(size, dtype=np.int32))
+    # and eagerly, with the same programs, on the last substitute
+    eager_out = await int_buffer("CPU:1", 0, size=size)
+    progs["CPU"](mid, xs[-1], vals=(size, 2, 1, 0), writes=(0,))
+    await far.copy_from(mid)
+    await progs["CPU:1"](eager_out, far, vals=(size, 3, 0, 0), writes=(0,))
+    assert await contents(eager_out) == await contents(outs[-1])
+
+
+async def test_replay_substitutes_views_of_a_named_buffer() -> None:
+    # A kernel captured on a view of the named input must read the substitute's bytes at replay.
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", np.arange(8))
+    out = await int_buffer("CPU", 0, size=4)
+    async with Device["CPU"].capture(x=x) as graph:
+        progs["CPU"](out, x.view(4, dtypes.int32, 16), vals=(4, 1, 0, 0), writes=(0,))
+    other = await int_buffer("CPU", 100, size=8)
+    await graph.replay(x=other)
+    assert await contents(out) == [100] * 4, "the replay read the captured buffer, not the substitute"
+
+
+async def test_replay_with_a_substitute_does_not_need_the_captured_buffer_any_more() -> None:
+    # As with a tinygrad JIT input, the buffer used at capture may be gone by the time of replay.
+    x = await int_buffer("CPU", 1, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    async with Device["CPU"].capture(x=x) as graph:
+        await far.copy_from(x)
+    await x.free()
+    await graph.replay(x=await int_buffer("CPU", 5, size=4))
+    assert await contents(far) == [5] * 4
+
+
+# ---- dependencies in graphs spanning two devices -------------------------------------------------
+
+
+async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -> None:
+    x = await int_buffer("CPU", 20, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    axpb = await Device["CPU:1"].program("axpb", AXPB)
+    async with gate_on("CPU") as gate:
+        async with Device["CPU"].capture() as graph:
+            gate.launch(mid, x, add=1)  # mid = 21, held at replay until the gate opens
+            await far.copy_from(mid)  # CPU:1 copy queue: must wait for the CPU kernel
+            axpb(out, far, vals=(4, 2, 0, 0), writes=(0,))  # CPU:1 compute: after the copy
+        replayed = graph.replay()
+        gate.launched.append(replayed)
+        copy_queue = Device["CPU:1"].queues["copy"].timeline
+        await assert_stays_pending(
+            Signal(copy_queue, copy_queue.submitted), "the graph's transfer, before the kernel it reads"
+        )
+        gate.open()
+        await replayed
+    assert await contents(far) == [21] * 4
+    assert await contents(out) == [42] * 4
+
+
+async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
+    # Two devices wrap the same host memory, so only the captured wait_for orders them.
+    shared: IntArray = np.zeros(4, np.int32)
+    spec = BufferSpec(external_ptr=shared.ctypes.data)
+    near = await Buffer("CPU", 4, dtypes.int32, spec).allocate()
+    far_alias = await Buffer("CPU:1", 4, dtypes.int32, spec).allocate()
+    src = await int_buffer("CPU", 20, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    axpb = await Device["CPU:1"].program("axpb", AXPB)
+    try:
+        async with gate_on("CPU") as gate:
+            async with Device["CPU"].capture() as graph:
+                held = gate.launch(near, src, add=1)  # shared = 21
+                axpb(out, far_alias, vals=(4, 2, 0, 0), writes=(0,), wait_for=[held])
+            replayed = graph.replay()
+            gate.launched.append(replayed)
+            compute = Device["CPU:1"].queues["compute"].timeline
+            await assert_stays_pending(
+                Signal(compute, compute.submitted), "a captured launch with wait_for on a held one"
+            )
+            gate.open()
+            await replayed
+        assert await contents(out) == [42] * 4
+    finally:
+        await near.free()
+        await far_alias.free()
+
+
+async def test_a_replay_is_ordered_after_eager_work_on_its_buffers_and_before_later_work() -> None:
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", 0, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    graph = await capture_chain(progs, x, mid, far, out)
+    src = await int_buffer("CPU", 10, size=4)
+    late = await int_buffer("CPU:1", 0, size=4)
+    async with gate_on("CPU") as gate:
+        gate.launch(x, src)  # eager: x = 10, held
+        replayed = graph.replay()  # reads x: after the gate
+        gate.launched.append(replayed)
+        await assert_stays_pending(replayed, "a replay reading a buffer an eager kernel writes")
+        after = progs["CPU:1"](late, out, vals=(4, 1, 1, 0), writes=(0,))  # reads the replay's out
+        gate.open()
+        await after
+    assert await contents(out) == chain_expected(np.full(4, 10, np.int32))
+    assert await contents(late) == [v + 1 for v in chain_expected(np.full(4, 10, np.int32))]
+
+
+# ---- what capture does and does not do ----------------------------------------------------------
+
+
+async def test_captured_launches_do_not_run_and_their_signals_raise_when_awaited() -> None:
+    progs = await axpb_programs()
+    buf = await int_buffer("CPU", 3, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    async with Device["CPU"].capture() as graph:
+        sig = progs["CPU"](buf, buf, vals=(4, 2, 0, 0))
+        await far.copy_from(buf)
+    assert sig.done()
+    with pytest.raises(RuntimeError, match="captured"):
+        await sig
+    await rt.synchronize(*DEVICES)
+    assert await contents(buf) == [3] * 4
+    assert await contents(far) == [0] * 4
+    assert len(graph) == 2
+    await graph.replay()
+    assert await contents(buf) == [6] * 4
+    assert await contents(far) == [6] * 4
+
+
+async def test_wait_for_on_a_signal_from_outside_the_capture_raises() -> None:
+    progs = await axpb_programs()
+    buf = await int_buffer("CPU", 3, size=4)
+    outside = progs["CPU"](buf, buf, vals=(4, 1, 0, 0))
+    async with Device["CPU"].capture():
+        with pytest.raises(ValueError, match="wait_for"):
+            progs["CPU"](buf, buf, vals=(4, 1, 0, 0), wait_for=[outside])
+
+
+async def test_replay_of_an_empty_graph_or_from_inside_the_capture_raises() -> None:
+    progs = await axpb_programs()
+    buf = await int_buffer("CPU", 3, size=4)
+    async with Device["CPU"].capture() as empty:
+        pass
+    with pytest.raises(RuntimeError, match="empty"):
+        empty.replay()
+    async with Device["CPU"].capture() as graph:
+        progs["CPU"](buf, buf, vals=(4, 1, 0, 0))
+        with pytest.raises(RuntimeError, match="capture"):
+            graph.replay()
+
+
+# ---- bad replays raise before anything is enqueued ----------------------------------------------
+
+
+async def _bad_substitutes() -> list[tuple[str, Callable[[], object], type[Exception], str]]:
+    wrong_size = await int_buffer("CPU", 0, size=8)
+    foreign = await int_buffer("CPU:1", 0, size=4)
+    null = await Buffer("NULL", 4, dtypes.int32).allocate()
+    freed = await int_buffer("CPU", 0, size=4)
+    await freed.free()
+    unallocated = Buffer("CPU", 4, dtypes.int32)
+    return [
+        ("wrong size", lambda: wrong_size, ValueError, "bytes"),
+        ("another CPU device", lambda: foreign, ValueError, "must be on CPU"),
+        ("another backend", lambda: null, ValueError, "must be on CPU"),
+        ("freed", lambda: freed, RuntimeError, "free"),
+        ("unallocated", lambda: unallocated, RuntimeError, "not allocated"),
+        ("not a buffer", lambda: np.zeros(4, np.int32), TypeError, "Buffer"),
+    ]
+
+
+async def test_replay_with_a_bad_substitute_raises_before_enqueueing_anything() -> None:
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", 1, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    graph = await capture_chain(progs, x, mid, far, out)
+    good_out = await int_buffer("CPU:1", 0, size=4)
+    bad = await _bad_substitutes()
+    before = submitted()
+    for what, make, error, match in bad:
+        with pytest.raises(error, match=match):
+            graph.replay(out=good_out, x=make())  # type: ignore[arg-type]
+        assert submitted() == before, f"a replay with a {what} substitute enqueued work"
+    with pytest.raises(KeyError, match="no input named"):
+        graph.replay(y=x)
+    assert submitted() == before
+    assert mid.pending() == [] and good_out.pending() == []
+    await graph.replay(x=x, out=good_out)  # the graph itself is fine
+    assert await contents(good_out) == chain_expected(np.ones(4, np.int32))
+
+
+async def test_replay_with_a_freed_captured_buffer_raises_before_enqueueing_anything() -> None:
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", 1, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    graph = await capture_chain(progs, x, mid, far, out)
+    await far.free()  # used by the graph's last two runs, after a CPU run that is fine
+    before = submitted()
+    with pytest.raises(RuntimeError, match="use after free"):
+        graph.replay()
+    assert submitted() == before
+
+
+# ---- NULL --------------------------------------------------------------------------------------
+
+
+async def test_a_graph_on_null_replays_with_and_without_substitutes() -> None:
+    null = Device["NULL"]
+    prog = await null.program("k", "void k(int* a, int* b) {}")
+    a = await Buffer("NULL", 16, dtypes.float32).allocate()
+    b = await Buffer("NULL", 16, dtypes.float32).allocate()
+    c = await Buffer("NULL", 16, dtypes.float32).allocate()
+    async with null.capture(a=a) as graph:
+        prog(a, b)
+        await c.copy_from(b)
+        prog(c, a, writes=(0,))
+    assert graph.devices == ["NULL"]
+    compute, copy = null.queues["compute"].timeline, null.queues["copy"].timeline
+    done_before = compute.completed + copy.completed
+    other = await Buffer("NULL", 16, dtypes.float32).allocate()
+    assert isinstance(await graph.replay(), float)
+    assert isinstance(await graph.replay(a=other), float)
+    assert compute.completed + copy.completed > done_before
+    with pytest.raises(ValueError, match="bytes"):
+        graph.replay(a=await Buffer("NULL", 8, dtypes.float32).allocate())
+    await null.synchronize()
