@@ -163,6 +163,10 @@ class Allocator(Generic[T]):
         """A zero-copy host view of the memory, or None when the backend has none."""
         return None
 
+    def _size_of(self, opaque: T) -> int | None:
+        """Bytes behind a handle, where the backend knows (lets raw copies be checked up front)."""
+        return getattr(opaque, "nbytes", None)
+
     def _reusable(self, opaque: T) -> bool:
         """False while something outside the runtime (a host view) still uses the memory."""
         return True
@@ -293,8 +297,7 @@ class Allocator(Generic[T]):
         """
         await anyio.lowlevel.checkpoint_if_cancelled()
         mv = host_bytes(src, writable=False, what="copyin source")
-        if mv.nbytes == 0:
-            raise ValueError(f"{self.device.name}: copyin of 0 bytes")
+        self._check_copy_size(dest, mv.nbytes, "copyin")
         sig = self.device._copy_queue.submit(self._copyin, (dest, mv), self.device._barrier(), keep=mv)
         await sig
 
@@ -308,10 +311,18 @@ class Allocator(Generic[T]):
         await anyio.lowlevel.checkpoint_if_cancelled()
         mv = host_bytes(dest, writable=True, what="copyout destination")
         self.check_copyout()
-        if mv.nbytes == 0:
-            raise ValueError(f"{self.device.name}: copyout of 0 bytes")
+        self._check_copy_size(src, mv.nbytes, "copyout")
         sig = self.device._copy_queue.submit(self._copyout, (mv, src), self.device._barrier(), keep=mv)
         await sig
+
+    def _check_copy_size(self, opaque: T, nbytes: int, what: str) -> None:
+        if nbytes == 0:
+            raise ValueError(f"{self.device.name}: {what} of 0 bytes")
+        size = self._size_of(opaque)
+        if size is not None and nbytes > size:
+            raise ValueError(
+                f"{self.device.name}: {what} of {nbytes} bytes, but the allocation has {size} bytes"
+            )
 
     def check_copyout(self) -> None:
         """Raise before enqueueing if this device cannot copy out."""

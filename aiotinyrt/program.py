@@ -191,9 +191,10 @@ class Timeline:
             callback()
 
     def pending_waiters(self) -> int:
-        """Number of live waiters (for statistics and tests)."""
+        """Number of tasks waiting on this timeline (statistics, tests). Internal waiters (queued
+        commands of other queues, deferred frees) are work, not waiting tasks, and not counted."""
         with self._lock:
-            return sum(1 for _, _, w in self._heap if w.callback is not None)
+            return sum(1 for _, _, w in self._heap if w.callback is not None and not w.internal)
 
 
 def _report_callback_error(exc: BaseException) -> None:
