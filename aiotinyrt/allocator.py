@@ -340,6 +340,8 @@ class Allocator(Generic[T]):
         Cancellation: cancels the wait only; the transfer completes.
         """
         nbytes = _check_nbytes(self.device.name, nbytes)
+        self._check_copy_size(dest, nbytes, "transfer")
+        src_device.allocator._check_copy_size(src, nbytes, "transfer")
         deps = self.device._barrier() + src_device._barrier()
         await self.device._submit_transfer(dest, src, nbytes, src_device, deps, keep=(dest, src))
 

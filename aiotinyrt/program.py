@@ -163,17 +163,29 @@ class Timeline:
         return waiter
 
     def advance(self, value: int) -> None:
-        """Mark every command up to ``value`` complete and fire the waiters that reached it."""
+        """Mark every command up to ``value`` complete and fire the waiters that reached it.
+
+        Internal callbacks due at ``value`` (deferred frees, other queues' dependencies) run
+        *before* ``completed`` moves, so anyone who sees the new value, even by polling, also
+        sees their effects; task wake-ups follow."""
+        wakeups = self._run_due(value)
         self.completed = value
-        if self._heap:
+        for callback in wakeups:
+            callback()
+        if self._heap:  # registered while we ran: fire against the new value
             self.fire_due()
 
     def fire_due(self) -> None:
         """Fire every waiter whose value has been reached: internal callbacks first, then wake-ups."""
+        for callback in self._run_due(self.completed):
+            callback()
+
+    def _run_due(self, upto: int) -> list[Callable[[], None]]:
+        """Pop the waiters due at ``upto``, run the internal ones, return the task wake-ups."""
         due: list[_Waiter] = []
         with self._lock:
-            heap, done = self._heap, self.completed
-            while heap and heap[0][0] <= done:
+            heap = self._heap
+            while heap and heap[0][0] <= upto:
                 due.append(heapq.heappop(heap)[2])
         wakeups: list[Callable[[], None]] = []
         for waiter in due:
@@ -187,8 +199,7 @@ class Timeline:
                     _report_callback_error(exc)
             else:
                 wakeups.append(callback)
-        for callback in wakeups:
-            callback()
+        return wakeups
 
     def pending_waiters(self) -> int:
         """Number of tasks waiting on this timeline (statistics, tests). Internal waiters (queued
@@ -471,9 +482,10 @@ class HostQueue:
                 else:
                     sig._error = device._error
             sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
-            timeline.completed = expected
             if timeline._heap:
-                timeline.fire_due()
+                timeline.advance(expected)
+            else:
+                timeline.completed = expected
             expected += 1
 
     def stop(self, *, drop_queued: bool, join_timeout: float | None) -> None:
