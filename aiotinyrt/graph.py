@@ -76,6 +76,10 @@ class NativeRun:
     copy_args: Callable[[Any], Any]
     keep: Any
 
+    @property
+    def call_args(self) -> tuple[Any, Any]:
+        return (self.fns, self.args)
+
 
 @dataclass
 class _Run:
@@ -228,10 +232,11 @@ class Graph:
         signals: list[Signal] = []
         for run, (fn, args, touched, keep) in zip(self._runs, plans, strict=True):
             timeline = run.queue.timeline
-            deps = [signals[r] for r in run.after]
+            deps = [signals[r] for r in run.after]  # earlier runs (same queue: already ordered)
             for buf, write in touched:
-                deps.extend(buf.dependencies(timeline, write))
-            sig = run.queue.submit(fn, args, tuple(d for d in deps if d.timeline is not timeline), keep)
+                if (buf._base or buf)._accesses:
+                    deps.extend(buf.dependencies(timeline, write))
+            sig = run.queue.submit(fn, args, tuple(deps) if deps else (), keep)
             for buf, write in touched:
                 buf.record(sig, write)
             signals.append(sig)
@@ -256,9 +261,12 @@ class Graph:
         else:
             accesses = run.accesses
         for actual, _ in accesses:
-            if actual.freed or not actual.is_allocated():
+            base = actual._base or actual
+            if actual._freed or base._freed or base._handle is None:
                 actual.handle()  # raises the use-after-free / unallocated error
         native = run.native
+        if native is not None and not swap:
+            return native.cfunc, native.call_args, accesses, (run, native)
         if native is not None:
             args = native.args
             if swap:
