@@ -202,7 +202,10 @@ class Compiler:
 
     async def identity(self) -> str:
         """A string that changes whenever the binaries this compiler produces could change
-        (toolchain path and version, flags, target). Part of every cache key."""
+        (toolchain path and version, flags, target). Part of every cache key.
+
+        Cancellation: any probe process is killed; the identity is asked for again next time.
+        """
         return self.cachekey or type(self).__name__
 
     def disassemble(self, lib: bytes) -> str:

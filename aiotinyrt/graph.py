@@ -325,7 +325,11 @@ def _join() -> None:
 
 @asynccontextmanager
 async def capture(device: Compiled, named: dict[str, Buffer]) -> AsyncIterator[Graph]:
-    """Implementation of ``Compiled.capture``."""
+    """Implementation of ``Compiled.capture``.
+
+    Cancellation: cancelled while the block's exit seals the graph (compiling native replays),
+    the graph stays unsealed and cannot be replayed; nothing was run.
+    """
     graph = Graph(named)
     token = _capturing.set(graph)
     try:

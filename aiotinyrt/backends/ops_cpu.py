@@ -85,6 +85,10 @@ class ClangCompiler(Compiler):
         self.cc = cc
 
     async def identity(self) -> str:
+        """Compiler path, ``--version`` banner, flags, machine and CPU model.
+
+        Cancellation: the ``--version`` process is killed; nothing is cached.
+        """
         result = await anyio.run_process([*self.cc, "--version"], check=False)
         banner = result.stdout.decode(errors="replace").splitlines()[:1]
         cpu = await anyio.to_thread.run_sync(_cpu_model)

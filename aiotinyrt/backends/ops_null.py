@@ -24,6 +24,7 @@ class NullCompiler(Compiler):
         super().__init__(None)
 
     async def compile(self, src: str) -> bytes:
+        """The source's bytes. Cancellation: a checkpoint; cancelled, nothing is returned."""
         await anyio.lowlevel.checkpoint()
         return src.encode() or b"\0"
 
