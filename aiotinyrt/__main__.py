@@ -153,7 +153,7 @@ async def demo() -> None:
 
 
 # ---- the digits MLP, served as a pipeline ------------------------------------------------------------
-# The same kernels as examples/inference_server/mlp.py (tests/test_demo.py checks they stay equal):
+# The kernels of the digits MLP, shared with examples/inference_server/mlp.py (which imports them):
 # raw C in tinygrad's convention, weights packed once on the device in blocks of 16 outputs.
 KERNELS = r"""
 #include <math.h>

@@ -54,12 +54,6 @@ def test_demo_runs_the_digits_pipeline_and_prints_a_table(loop: str) -> None:
     assert accuracy is not None and float(accuracy.group(1)) >= 0.95, out
 
 
-def test_demo_kernels_are_the_served_kernels() -> None:
-    """The demo carries its own copy of the example's kernels (it must run without the
-    repository); they must not drift apart."""
-    assert demo.KERNELS == mlp.KERNELS
-
-
 def test_weights_read_without_numpy_equal_numpy() -> None:
     with np.load(DATA) as ref:
         for reader in (demo.read_npz, mlp.read_npz):

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 
 from aiotinyrt import Buffer, Compiled, Device, Program, Signal, dtypes
+from aiotinyrt.__main__ import KERNELS
 
 N_PIXELS = 64  #: 8 x 8 input pixels, 0..16
 N_CLASSES = 10
@@ -40,103 +41,8 @@ TILE = 16  #: weights are packed in blocks of 16 output columns (see KERNELS)
 # Weights are packed once, on the device, so the inner loop streams contiguous memory: for every
 # block of 16 outputs, ``n_in`` rows of 16 weights (zero past ``n_out``). The micro-kernel keeps a
 # 6 x 16 block of outputs in AVX registers (clang/gcc vector extensions).
-KERNELS = r"""
-#include <math.h>
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
-
-static void dense(float* restrict out, const float* restrict x, const float* restrict w,
-                  const float* restrict b, int rows, int n_in, int n_out, int relu) {
-  for (int o0 = 0; o0 < n_out; o0 += 16) {
-    const float* restrict wt = w + (long)o0 * n_in;
-    int no = n_out - o0 < 16 ? n_out - o0 : 16;
-    float bias[16] = {0};
-    for (int o = 0; o < no; o++) bias[o] = b[o0 + o];
-    int r0 = 0;
-    for (; r0 + 6 <= rows; r0 += 6) {
-      f8 b0 = *(const f8*)bias, b1 = *(const f8*)(bias + 8);
-      f8 a[6][2] = {{b0, b1}, {b0, b1}, {b0, b1}, {b0, b1}, {b0, b1}, {b0, b1}};
-      const float* restrict xr = x + (long)r0 * n_in;
-      for (int k = 0; k < n_in; k++) {
-        f8 w0 = *(const f8*)(wt + 16 * k), w1 = *(const f8*)(wt + 16 * k + 8);
-        for (int r = 0; r < 6; r++) {
-          float v = xr[(long)r * n_in + k];
-          a[r][0] += v * w0;
-          a[r][1] += v * w1;
-        }
-      }
-      for (int r = 0; r < 6; r++) {
-        float* dst = out + (long)(r0 + r) * n_out + o0;
-        for (int o = 0; o < no; o++) {
-          float v = o < 8 ? a[r][0][o] : a[r][1][o - 8];
-          dst[o] = relu && v < 0.0f ? 0.0f : v;
-        }
-      }
-    }
-    for (; r0 < rows; r0++) {
-      f8 a0 = *(const f8*)bias, a1 = *(const f8*)(bias + 8);
-      const float* restrict xr = x + (long)r0 * n_in;
-      for (int k = 0; k < n_in; k++) {
-        a0 += xr[k] * *(const f8*)(wt + 16 * k);
-        a1 += xr[k] * *(const f8*)(wt + 16 * k + 8);
-      }
-      float* dst = out + (long)r0 * n_out + o0;
-      for (int o = 0; o < no; o++) {
-        float v = o < 8 ? a0[o] : a1[o - 8];
-        dst[o] = relu && v < 0.0f ? 0.0f : v;
-      }
-    }
-  }
-}
-
-/* out = relu(x @ w + b) for `rows` rows */
-void dense_relu(float* restrict out, const float* restrict x, const float* restrict w,
-                const float* restrict b, int rows, int n_in, int n_out) {
-  dense(out, x, w, b, rows, n_in, n_out, 1);
-}
-
-/* probs = softmax(x @ w + b) per row, classes = argmax */
-void dense_softmax(float* restrict probs, int* restrict classes, const float* restrict x,
-                   const float* restrict w, const float* restrict b, int rows, int n_in, int n_out) {
-  dense(probs, x, w, b, rows, n_in, n_out, 0);
-  for (int r = 0; r < rows; r++) {
-    float* p = probs + (long)r * n_out;
-    int best = 0;
-    for (int o = 1; o < n_out; o++) if (p[o] > p[best]) best = o;
-    float top = p[best], sum = 0.0f;
-    for (int o = 0; o < n_out; o++) { p[o] = expf(p[o] - top); sum += p[o]; }
-    for (int o = 0; o < n_out; o++) p[o] /= sum;
-    classes[r] = best;
-  }
-}
-
-/* row-major w[n_in][n_out] -> packed (see dense) */
-void pack_dense(float* restrict packed, const float* restrict w, int n_in, int n_out) {
-  int padded = (n_out + 15) / 16 * 16;
-  for (int o0 = 0; o0 < padded; o0 += 16)
-    for (int k = 0; k < n_in; k++)
-      for (int j = 0; j < 16; j++)
-        packed[(long)o0 * n_in + k * 16 + j] = o0 + j < n_out ? w[(long)k * n_out + o0 + j] : 0.0f;
-}
-
-static unsigned mix32(unsigned x) {
-  x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
-  return x;
-}
-
-/* random packed weights, He-uniform (limit sqrt(6 / n_in), for ReLU layers), and zero bias */
-void init_dense(float* restrict packed, float* restrict b, int n_in, int n_out, int seed) {
-  int padded = (n_out + 15) / 16 * 16;
-  float limit = sqrtf(6.0f / (float)n_in);
-  for (int o0 = 0; o0 < padded; o0 += 16)
-    for (int k = 0; k < n_in; k++)
-      for (int j = 0; j < 16; j++) {
-        unsigned h = mix32((unsigned)seed * 0x9e3779b9U ^ mix32((unsigned)(k * n_out + o0 + j)));
-        float u = (float)(h >> 8) * (1.0f / 16777216.0f);
-        packed[(long)o0 * n_in + k * 16 + j] = o0 + j < n_out ? (2.0f * u - 1.0f) * limit : 0.0f;
-      }
-  for (int o = 0; o < n_out; o++) b[o] = 0.0f;
-}
-"""
+# The kernels ship inside the package, which runs them in its demo without this repository:
+# ``KERNELS`` in aiotinyrt/__main__.py.
 
 
 def packed_size(n_in: int, n_out: int) -> int:
