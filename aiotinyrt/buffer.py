@@ -254,8 +254,23 @@ class Buffer:
         accesses = base._accesses
         if write:
             accesses = [a for a in accesses if not (start <= a[0] and a[1] <= end)]
-        elif len(accesses) >= 16:
-            accesses = [a for a in accesses if a[2].timeline.completed < a[2].value]
+        else:
+            # A read supersedes earlier reads of the same bytes on the same queue: that queue
+            # finishes them first, so waiting for this one waits for them. This keeps the list
+            # short when many launches read a buffer without writing it.
+            timeline = sig.timeline
+            if accesses:
+                last = accesses[-1]
+                if not last[3] and last[2].timeline is timeline and last[0] == start and last[1] == end:
+                    accesses[-1] = (start, end, sig, False)
+                    return
+            if len(accesses) >= 8:
+                accesses = [
+                    a
+                    for a in accesses
+                    if a[2].timeline.completed < a[2].value
+                    and (a[3] or a[2].timeline is not timeline or not (start <= a[0] and a[1] <= end))
+                ]
         accesses.append((start, end, sig, write))
         base._accesses = accesses
 

@@ -12,6 +12,8 @@ import pytest
 from aiotinyrt import Buffer, BufferSpec, Device, dtypes
 from tests.test_signals import INC, Gate, assert_cancelled_at_entry, gate_on, int_buffer
 
+COPY_ONE = "void copy1(int* restrict out, const int* restrict src) { out[0] = src[0]; }"
+
 pytestmark = pytest.mark.anyio
 
 COPY1 = "void copy1(int* restrict out, const int* restrict in) { out[0] = in[0]; }"
@@ -478,3 +480,24 @@ async def test_copy_from_is_a_checkpoint_and_copies_nothing_when_cancelled() -> 
     assert (await dst.numpy()).tolist() == [3]
     await src.free()
     await dst.free()
+
+
+async def test_many_pending_reads_of_a_buffer_keep_its_access_list_short() -> None:
+    # reads of the same bytes on one queue supersede each other: a buffer only ever read by
+    # thousands of queued launches must not drag an ever longer list through every launch
+    dev = Device["CPU"]
+    prog = await dev.program("copy1", COPY_ONE)
+    out = await Buffer("CPU", 1, dtypes.int32).allocate()
+    src = await Buffer("CPU", 1, dtypes.int32).allocate()
+    await src.copyin(np.array([7], np.int32))
+    held = await int_buffer("CPU")
+    async with gate_on("CPU") as gate:
+        gate.launch(held)  # the compute queue runs nothing until the gate opens
+        sigs = [prog(out, src, writes=(0,)) for _ in range(2000)]
+        assert not sigs[0].done()
+        assert len(src._accesses) <= 8
+        gate.open()
+        await sigs[-1]
+    assert (await out.numpy()).tolist() == [7]
+    for buf in (out, src, held):
+        await buf.free()
