@@ -234,7 +234,9 @@ class Graph:
             timeline = run.queue.timeline
             deps = [signals[r] for r in run.after]  # earlier runs (same queue: already ordered)
             for buf, write in touched:
-                if (buf._base or buf)._accesses:
+                accesses = (buf._base or buf)._accesses
+                # fast path, as for launches: the only access known is on this same queue
+                if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
                     deps.extend(buf.dependencies(timeline, write))
             sig = run.queue.submit(fn, args, tuple(deps) if deps else (), keep)
             for buf, write in touched:
