@@ -90,6 +90,8 @@ class _Run:
     accesses: list[tuple[Buffer, bool]] = field(default_factory=list)  # distinct buffers, written?
     calls: list[tuple[Callable[..., object], tuple[Any, ...]]] = field(default_factory=list)
     after: list[int] = field(default_factory=list)  # earlier runs it waits for (wait_for)
+    # the replay plan without substitutions, once built: (fn, args, accesses, keep)
+    plain: tuple[Callable[..., object], tuple[Any, ...], list[tuple[Buffer, bool]], object] | None = None
 
 
 class Graph:
@@ -267,8 +269,14 @@ class Graph:
             if actual._freed or base._freed or base._handle is None:
                 actual.handle()  # raises the use-after-free / unallocated error
         native = run.native
-        if native is not None and not swap:
-            return native.cfunc, native.call_args, accesses, (run, native)
+        if not swap:
+            if run.plain is None:  # the same every time: built once
+                run.plain = (
+                    (native.cfunc, native.call_args, accesses, (run, native))
+                    if native is not None
+                    else (_run_calls, (run.calls,), accesses, (run, accesses))
+                )
+            return run.plain
         if native is not None:
             args = native.args
             if swap:
