@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, Device, dtypes, open_device
@@ -36,8 +37,6 @@ from aiotinyrt.renderer import (
     cpu_threads,
     render,
 )
-
-np = pytest.importorskip("numpy")
 
 pytestmark = pytest.mark.anyio
 

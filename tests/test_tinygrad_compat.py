@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, Device, Program, dtypes
 
 pytestmark = pytest.mark.anyio
-
-np = pytest.importorskip("numpy")
 
 
 @dataclass(frozen=True)
