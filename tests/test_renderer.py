@@ -484,6 +484,7 @@ def _every_dtype_inputs(n: int) -> list[NDArray]:
         if dt == dtypes.bool:
             a = rng.integers(0, 2, n + 1).astype(np.bool_)
         elif dt.is_int:
+            assert dt.fmt is not None
             info = np.iinfo(dt.fmt)
             a = rng.integers(info.min, info.max, n + 1, dtype=dt.fmt, endpoint=True)
         elif dt == dtypes.bfloat16:
