@@ -19,7 +19,6 @@ using it completes (immediately if none is pending). Views of a freed base becom
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -383,11 +382,3 @@ class Buffer:
             raise ValueError(f"copy_from size mismatch: {src.nbytes} bytes into {self.nbytes} bytes")
         await self.device_obj._submit_copy(self, src)
         return self
-
-
-def buffers_pending(buffers: Sequence[Buffer]) -> list[Signal]:
-    """Every pending signal of several buffers."""
-    out: list[Signal] = []
-    for b in buffers:
-        out.extend(b.pending())
-    return out

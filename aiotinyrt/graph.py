@@ -39,11 +39,6 @@ if TYPE_CHECKING:
 _capturing: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("aiotinyrt_capture", default=None)
 
 
-def current_capture() -> Graph | None:
-    """The graph recording the current task's launches, if any."""
-    return _capturing.get()
-
-
 @dataclass
 class _Entry:
     """One recorded command: ``fn(*args)`` on ``queue``. ``bufs[i]`` appears in ``args`` at the

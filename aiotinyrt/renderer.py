@@ -1073,25 +1073,19 @@ class CStyleRenderer(Renderer):
 _BF16_DOC = "/* bfloat16 is stored as uint16: the top half of a float32, rounded to nearest even */"
 
 
+# C and CUDA spell the arithmetic types the same way (DType.cname); f16/bf16 are storage types
+_C_TYPE_NAMES: dict[DType, str] = {
+    dt: dt.cname for dt in ALL_DTYPES if dt not in (dtypes.float16, dtypes.bfloat16)
+}
+
+
 class ClangRenderer(CStyleRenderer):
     """C for the CPU backend (clang or gcc). The kernel loops over the global size and takes
     ``core_id, core_count`` to split it across threads (see the module docstring)."""
 
     device: ClassVar[str] = "CPU"
     has_local: ClassVar[bool] = False
-    type_names: ClassVar[dict[DType, str]] = {
-        dtypes.bool: "_Bool",
-        dtypes.int8: "signed char",
-        dtypes.uint8: "unsigned char",
-        dtypes.int16: "short",
-        dtypes.uint16: "unsigned short",
-        dtypes.int32: "int",
-        dtypes.uint32: "unsigned int",
-        dtypes.int64: "long long",
-        dtypes.uint64: "unsigned long long",
-        dtypes.float32: "float",
-        dtypes.float64: "double",
-    }
+    type_names: ClassVar[dict[DType, str]] = {**_C_TYPE_NAMES, dtypes.bool: "_Bool"}
     storage_names: ClassVar[dict[DType, str]] = {
         dtypes.float16: "aiotinyrt_half",
         dtypes.bfloat16: "unsigned short",
@@ -1236,19 +1230,7 @@ class CUDARenderer(CStyleRenderer):
 
     device: ClassVar[str] = "CUDA"
     has_local: ClassVar[bool] = True
-    type_names: ClassVar[dict[DType, str]] = {
-        dtypes.bool: "bool",
-        dtypes.int8: "signed char",
-        dtypes.uint8: "unsigned char",
-        dtypes.int16: "short",
-        dtypes.uint16: "unsigned short",
-        dtypes.int32: "int",
-        dtypes.uint32: "unsigned int",
-        dtypes.int64: "long long",
-        dtypes.uint64: "unsigned long long",
-        dtypes.float32: "float",
-        dtypes.float64: "double",
-    }
+    type_names: ClassVar[dict[DType, str]] = _C_TYPE_NAMES
     storage_names: ClassVar[dict[DType, str]] = {dtypes.float16: "half", dtypes.bfloat16: "unsigned short"}
     true_false: ClassVar[tuple[str, str]] = ("true", "false")
     bf16_helpers: ClassVar[str] = f"""{_BF16_DOC}
