@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 import aiotinyrt.backends
 from aiotinyrt.allocator import Allocator
@@ -193,17 +194,21 @@ class Compiled:
         """
         with anyio.CancelScope(shield=True):
             await self._settle()
-            self._shutdown(drop_queued=True, join_timeout=None)
+            self._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
+            await self._settle()  # the workers reach their stop markers; nothing joins on the loop
+            # unmapping cached memory can take milliseconds: off the loop thread
+            await anyio.to_thread.run_sync(self.allocator.free_cache)
 
-    def _shutdown(self, *, drop_queued: bool, join_timeout: float | None) -> None:
+    def _shutdown(self, *, drop_queued: bool, join_timeout: float | None, free_cache: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
         for q in self.queues.values():
             q.stop(drop_queued=drop_queued, join_timeout=join_timeout)
         self._on_close()
-        with contextlib.suppress(Exception):
-            self.allocator.free_cache()
+        if free_cache:
+            with contextlib.suppress(Exception):
+                self.allocator.free_cache()
         Device._forget(self)
 
     def _on_close(self) -> None:

@@ -493,7 +493,8 @@ class HostQueue:
 
         Dropped commands complete with a ``DeviceError`` so nobody waits forever for them; a
         worker stuck in a command is abandoned after ``join_timeout`` seconds (it is a daemon
-        thread, so it never holds up interpreter exit).
+        thread, so it never holds up interpreter exit). ``join_timeout=None`` does not wait at
+        all: the caller awaits the timeline reaching ``submitted`` instead.
         """
         if self._stopping:
             return
@@ -520,6 +521,8 @@ class HostQueue:
         first = dropped[0].value if dropped else value
         self._commands.append(Signal(self.timeline, first, None, (value,)))
         self._wake.set()
+        if join_timeout is None:  # the caller waits for the timeline itself (without blocking)
+            return
         self._thread.join(join_timeout)
         if self.timeline.completed < value:
             # the worker is stuck in a command: complete the rest so waiters return
