@@ -30,13 +30,11 @@ import atexit
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 # Keep the compile caches (ours and tinygrad's, which reads CACHEDB at import) out of ~/.cache.
@@ -46,6 +44,7 @@ os.environ["CACHEDB"] = os.path.join(_TMP, "cache.db")
 
 import anyio  # noqa: E402
 import cffi  # noqa: E402
+from _samples import Samples  # noqa: E402  (bench/ is sys.path[0])
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 from aiotinyrt.compiler import Compiler  # noqa: E402
@@ -79,19 +78,6 @@ ELEMENTWISE = Kernel(
     [BufferParam("out", dtypes.float32, "w"), BufferParam("x", dtypes.float32)],
     "float v = x[gidx0]; out[gidx0] = v * 1.5f + sqrt(fabs(v)) / (1.0f + v * v);",
 )
-
-
-@dataclass
-class Samples:
-    values: dict[str, list[float]] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
-
-    def add(self, key: str, value: float) -> None:
-        self.values.setdefault(key, []).append(value)
-
-    def median(self, key: str) -> float | None:
-        vals = self.values.get(key)
-        return statistics.median(vals) if vals else None
 
 
 # ---- tinygrad anchors --------------------------------------------------------------------------

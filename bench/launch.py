@@ -22,13 +22,12 @@ import mmap
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ os.environ.setdefault("CACHEDB", os.path.join(_TMP, "cache.db"))
 import anyio  # noqa: E402
 import anyio.to_thread  # noqa: E402
 import cffi  # noqa: E402
+from _samples import Samples  # noqa: E402  (bench/ is sys.path[0])
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 
@@ -62,21 +62,6 @@ class Config:
     copy_bytes: int
     gc_off: bool
     profile: bool
-
-
-@dataclass
-class Samples:
-    """Per-repetition samples, keyed by measurement name."""
-
-    values: dict[str, list[float]] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
-
-    def add(self, key: str, value: float) -> None:
-        self.values.setdefault(key, []).append(value)
-
-    def median(self, key: str) -> float | None:
-        vals = self.values.get(key)
-        return statistics.median(vals) if vals else None
 
 
 @contextlib.contextmanager

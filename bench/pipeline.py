@@ -25,12 +25,11 @@ import argparse
 import gc
 import importlib.util
 import os
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +41,7 @@ os.environ.setdefault("CACHEDB", os.path.join(_TMP, "cache.db"))
 
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
+from _samples import Samples  # noqa: E402  (bench/ is sys.path[0])
 
 from aiotinyrt import Buffer, Device, Program, Signal, dtypes  # noqa: E402
 from aiotinyrt.graph import Graph  # noqa: E402
@@ -79,18 +79,6 @@ class Config:
     iters: int  # work per element per stage
     copy_bytes: int
     loop: str
-
-
-@dataclass
-class Samples:
-    values: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, key: str, value: float) -> None:
-        self.values.setdefault(key, []).append(value)
-
-    def median(self, key: str) -> float | None:
-        vals = self.values.get(key)
-        return statistics.median(vals) if vals else None
 
 
 def timed() -> float:
