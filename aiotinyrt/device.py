@@ -25,9 +25,9 @@ import aiotinyrt.backends
 from aiotinyrt.allocator import Allocator
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
-from aiotinyrt.graph import Graph, _capturing, capture
+from aiotinyrt.graph import Graph, capture
 from aiotinyrt.helpers import debug_level, getenv_str
-from aiotinyrt.program import DeviceError, HostQueue, Program, Signal
+from aiotinyrt.program import DeviceError, HostQueue, Program, Signal, _capturing
 from aiotinyrt.renderer import Kernel, Renderer
 
 # Preferred order when choosing Device.DEFAULT; backends not listed come after, alphabetically.
@@ -184,6 +184,8 @@ class Compiled:
         """
         await self._settle()
         self._error = None
+        for q in self.queues.values():
+            q._halt(False)
 
     async def aclose(self) -> None:
         """Wait for queued work, stop the workers, release cached memory and unregister.
@@ -227,6 +229,8 @@ class Compiled:
         )
         if self._error is None:
             self._error = error
+            for q in self.queues.values():
+                q._halt(True)
         return error
 
     # ---- submission (internal; Program and Buffer call these) -----------------------------------
@@ -248,20 +252,23 @@ class Compiled:
 
     def _submit_launch(
         self,
-        fn: Callable[..., object],
-        args: tuple[Any, ...],
+        prog: Program,
+        handles: list[Any],
+        gsz: tuple[int, ...],
+        lsz: tuple[int, ...] | None,
+        vals: tuple[int, ...],
         bufs: tuple[Buffer, ...],
         deps: tuple[Signal, ...],
         writes: frozenset[int] | None,
-        keep: object = None,
     ) -> Signal:
         if self._closed:
             raise DeviceError(f"{self.name} is closed", device=self.name)
         queue = self._compute_queue
         graph = _capturing.get()
         if graph is not None:
+            fn, args = prog._launcher(tuple(handles), gsz, lsz, vals)
             flags = [writes is None or i in writes for i in range(len(bufs))]
-            return graph._record(queue, fn, args, bufs, flags, deps, keep)
+            return graph._record(queue, fn, args, bufs, flags, deps, prog)
         timeline = queue.timeline
         extra: list[Signal] = []
         for i, b in enumerate(bufs):
@@ -271,7 +278,12 @@ class Compiled:
                 extra.extend(b.dependencies(timeline, writes is None or i in writes))
         if extra:
             deps = deps + tuple(extra)
-        sig = queue.submit(fn, args, deps, (bufs, keep))
+        entry = None if deps or not queue.native else prog._native_entry(handles, gsz, vals)
+        if entry is not None:  # one C call; the worker runs it without the GIL
+            sig = queue.submit_native(entry[0], entry[1], entry[2], entry)
+        else:
+            fn, args = prog._launcher(tuple(handles), gsz, lsz, vals)
+            sig = queue.submit(fn, args, deps, (bufs, prog))
         if writes is None:
             for b in bufs:
                 if b._base is None:  # a whole-buffer write supersedes every earlier access

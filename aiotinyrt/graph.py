@@ -24,19 +24,16 @@ Launches recorded in a capture return a Signal that is already failed: awaiting 
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from aiotinyrt.program import HostQueue, Signal, Timeline
+from aiotinyrt.program import HostQueue, Signal, Timeline, _capturing
 
 if TYPE_CHECKING:
     from aiotinyrt.buffer import Buffer
     from aiotinyrt.device import Compiled
-
-_capturing: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("aiotinyrt_capture", default=None)
 
 
 @dataclass

@@ -43,6 +43,8 @@ finalizing a device fails what it did not run.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import heapq
 import itertools
 import math
@@ -56,11 +58,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import anyio
 import anyio.lowlevel
 
+from aiotinyrt import native
 from aiotinyrt.helpers import debug_level, getenv, getenv_str
 
 if TYPE_CHECKING:
     from aiotinyrt.buffer import Buffer
     from aiotinyrt.device import Compiled
+    from aiotinyrt.graph import Graph
     from aiotinyrt.renderer import Kernel
 
 
@@ -119,31 +123,103 @@ class _Waiter:
         self.internal = internal
 
 
+class _PyState:
+    """The counters of a timeline run by the pure-Python worker (the native queue keeps them in
+    C, in an ``hq_t`` with the same field names)."""
+
+    __slots__ = ("completed", "expected", "halted", "sleeping", "submitted", "wake_at")
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.submitted = 0
+        self.wake_at = native.NO_WAKE
+        self.expected = 1
+        self.halted = 0
+        self.sleeping = 0
+
+
 class Timeline:
     """A monotonic counter of the commands one device queue has completed.
 
-    ``completed`` is written only by the queue's executor; ``submitted`` only under the queue's
-    submit lock. A :class:`Signal` ``(timeline, value)`` is done when ``completed >= value``.
+    ``completed`` is written only by the queue's executor; ``submitted`` by submitters. A
+    :class:`Signal` ``(timeline, value)`` is done when ``completed >= value``. Both counters live
+    in ``_c``: a C ``hq_t`` when the queue runs natively (see :mod:`aiotinyrt.native`), else a
+    Python object with the same fields.
     """
 
-    __slots__ = ("_heap", "_lock", "_seq", "completed", "device", "name", "submitted")
+    __slots__ = ("_c", "_failures", "_heap", "_lib", "_lock", "_seq", "device", "name")
 
-    def __init__(self, device: str, name: str) -> None:
+    def __init__(self, device: str, name: str, lib: Any = None) -> None:
         self.device = device
         self.name = name
-        self.completed = 0
-        self.submitted = 0
+        self._lib = lib
+        self._c: Any = _PyState() if lib is None else native.ffi.gc(lib.hq_new(), lib.hq_free)
+        if self._c == native.ffi.NULL:
+            raise MemoryError(f"{device}: cannot allocate the native queue of {name}")
         self._lock = threading.Lock()
         self._heap: list[tuple[int, int, _Waiter]] = []
         self._seq = itertools.count()
+        #: (first, last, error) of native commands that failed (they have no Python signal)
+        self._failures: list[tuple[int, int, BaseException]] = []
 
     def __repr__(self) -> str:
         return f"<Timeline {self.device}/{self.name} completed={self.completed} submitted={self.submitted}>"
 
     @property
+    def completed(self) -> int:
+        """The value of the last command this queue finished."""
+        return int(self._c.completed)
+
+    @completed.setter
+    def completed(self, value: int) -> None:
+        if self._lib is None:
+            self._c.completed = value
+        else:
+            self._lib.hq_complete(self._c, value)
+
+    @property
+    def submitted(self) -> int:
+        """The value of the last command handed to this queue."""
+        return int(self._c.submitted)
+
+    @submitted.setter
+    def submitted(self, value: int) -> None:
+        self._c.submitted = value
+
+    @property
     def label(self) -> str:
         """``"CPU/compute"``: the device and queue this timeline counts."""
         return f"{self.device}/{self.name}"
+
+    def failure_at(self, value: int) -> BaseException | None:
+        """The error of native command ``value``, if it failed (or was not run)."""
+        for first, last, error in reversed(self._failures):
+            if first <= value <= last:
+                return error
+        return None
+
+    def _record_failure(self, value: int, error: BaseException) -> None:
+        failures = self._failures
+        if failures and failures[-1][1] == value - 1 and failures[-1][2] is error:
+            failures[-1] = (failures[-1][0], value, error)
+        else:
+            failures.append((value, value, error))
+
+    def elapsed_at(self, value: int) -> float:
+        """Device seconds of native command ``value``; NaN once it is too old to be kept."""
+        c = self._c
+        if self._lib is None or value <= c.completed - native.ELAPSED_SLOTS:
+            return math.nan
+        return float(c.elapsed[value & (native.ELAPSED_SLOTS - 1)])
+
+    def _set_wake_locked(self) -> int:
+        """Store the smallest waiting value as ``wake_at`` (caller holds ``_lock``); returns
+        ``completed`` as read after the store."""
+        wake = self._heap[0][0] if self._heap else native.NO_WAKE
+        if self._lib is None:
+            self._c.wake_at = wake
+            return int(self._c.completed)
+        return int(self._lib.hq_set_wake(self._c, wake))
 
     def add_waiter(self, value: int, callback: Callable[[], None], *, internal: bool = False) -> _Waiter:
         """Call ``callback`` once ``completed >= value`` (at once, in this thread, if it already is).
@@ -158,7 +234,8 @@ class Timeline:
             return waiter
         with self._lock:
             heapq.heappush(self._heap, (value, next(self._seq), waiter))
-        if self.completed >= value:  # the executor advanced while we registered
+            completed = self._set_wake_locked()
+        if completed >= value:  # the executor advanced while we registered
             self.fire_due()
         return waiter
 
@@ -187,6 +264,8 @@ class Timeline:
             heap = self._heap
             while heap and heap[0][0] <= upto:
                 due.append(heapq.heappop(heap)[2])
+            if due:
+                self._set_wake_locked()
         wakeups: list[Callable[[], None]] = []
         for waiter in due:
             callback, waiter.callback = waiter.callback, None
@@ -238,7 +317,7 @@ class Signal:
     ) -> None:
         self.timeline = timeline
         self.value = value
-        self._elapsed = 0.0
+        self._elapsed: float | None = 0.0  # None: a native command's, kept by the timeline
         self._error: BaseException | None = None
         self._fn = fn
         self._args = args
@@ -246,7 +325,7 @@ class Signal:
         self._keep = keep
 
     def __repr__(self) -> str:
-        state = "failed" if self._error is not None else ("done" if self.done() else "pending")
+        state = "failed" if self.failed() else ("done" if self.done() else "pending")
         return f"<Signal {self.timeline.label}@{self.value} {state}>"
 
     def done(self) -> bool:
@@ -255,16 +334,28 @@ class Signal:
 
     def failed(self) -> bool:
         """True if the command finished with an error."""
-        return self.done() and self._error is not None
+        return self.done() and self.error() is not None
+
+    def error(self) -> BaseException | None:
+        """The error of a failed command (None while pending or when it succeeded)."""
+        if self._error is not None:
+            return self._error
+        timeline = self.timeline
+        if timeline._failures and timeline.completed >= self.value:
+            return timeline.failure_at(self.value)
+        return None
 
     def result(self) -> float:
         """The device seconds of a finished command; raises its ``DeviceError`` if it failed,
-        ``RuntimeError`` if it has not finished yet."""
+        ``RuntimeError`` if it has not finished yet. (A native command's time is kept for the
+        latest 16,384 commands of its queue; older ones report NaN.)"""
         if not self.done():
             raise RuntimeError(f"{self!r} has not completed")
-        if self._error is not None:
-            raise self._error
-        return self._elapsed
+        error = self.error()
+        if error is not None:
+            raise error
+        elapsed = self._elapsed
+        return self.timeline.elapsed_at(self.value) if elapsed is None else elapsed
 
     def __await__(self) -> Generator[Any, None, float]:
         return self.wait().__await__()
@@ -342,32 +433,48 @@ def when_all_done(signals: Sequence[Signal], fn: Callable[[], None]) -> None:
 
 _SPINS = 64
 _yield_gil = time.sleep
+_new_object = object.__new__
 
 
 class HostQueue:
     """One in-order device queue executed by a dedicated worker thread.
 
-    Submission is synchronous, lock-free and cheap: an atomic counter gives the command its
-    timeline value, a deque append hands it over, and the worker is woken only when it sleeps.
-    Two threads submitting at once may append out of value order; the worker puts such a
-    command aside until the ones before it arrive, so commands always run in value order.
-    A command with dependencies on other timelines blocks the worker (never the loop) until
-    they are done.
+    Submission is synchronous, cheap and never waits for the worker. With the native queue (see
+    :mod:`aiotinyrt.native`) every command takes a slot in a C ring: a *native* command (a kernel
+    call with a prepared argument block, no cross-queue dependencies) is run by C without the
+    GIL; a *Python* command (``fn(*args)``, with ``deps`` waited for by the worker) is handed
+    back to the worker's Python loop when its turn comes. Without it, commands travel in a deque
+    to a Python worker. Either way commands run in value order, one at a time.
+
+    Two threads submitting at once may append Python commands out of value order; the worker
+    puts such a command aside until the ones before it arrive.
     """
 
     def __init__(self, device: Compiled, name: str) -> None:
         self.device = device
         self.name = name
-        self.timeline = Timeline(device.name, name)
-        self._commands: deque[Signal] = deque()  # queued commands travel as their signals
+        #: (name, start, seconds) of every command run, when env PROFILE is set
+        self.profile: list[tuple[str, float, float]] | None = [] if getenv_str("PROFILE") else None
+        # per-command timing output needs every command to pass through Python
+        lib = native.load() if self.profile is None and debug_level() < 2 else None
+        self._lib = lib
+        self.native = lib is not None
+        self.timeline = Timeline(device.name, name, lib)
+        self._c = self.timeline._c
+        if lib is not None:
+            self._push = native.pusher()
+            self._caddr = int(native.ffi.cast("uintptr_t", self._c))
+        self._commands: deque[Signal] = deque()  # queued Python commands travel as their signals
         self._values = itertools.count(1)
         self._start_lock = threading.Lock()
         self._wake = threading.Event()
         self._sleeping = False
         self._thread: threading.Thread | None = None
         self._stopping = False
-        #: (name, start, seconds) of every command run, when env PROFILE is set
-        self.profile: list[tuple[str, float, float]] | None = [] if getenv_str("PROFILE") else None
+        self._dropping = False
+        # what native commands need alive until they ran: [last value using it, object]
+        self._held: deque[list[Any]] = deque()
+        self._last_held: list[Any] | None = None
 
     def __repr__(self) -> str:
         return f"<HostQueue {self.timeline.label} queued={self.queued()}>"
@@ -383,10 +490,17 @@ class HostQueue:
         if self._stopping:
             raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
         timeline = self.timeline
-        value = next(self._values)
-        if value > timeline.submitted:
-            timeline.submitted = value
-        sig = Signal(timeline, value, fn, args, deps, keep)
+        lib = self._lib
+        if lib is None:
+            value = next(self._values)
+            if value > timeline.submitted:
+                timeline.submitted = value
+            sig = Signal(timeline, value, fn, args, deps, keep)
+        else:
+            value = self._push(self._caddr, native.K_PY, 0, 0, 0)
+            if value < 0:
+                raise MemoryError(f"{self.device.name}: out of memory for the command queue")
+            sig = Signal(timeline, value, fn, args, deps, keep)
         self._commands.append(sig)
         if self._thread is None:
             self._start()
@@ -394,21 +508,58 @@ class HostQueue:
             self._wake.set()
         return sig
 
+    def submit_native(self, fn: int, nargs: int, block: int, keep: object) -> Signal:
+        """Enqueue a native call ``fn(*block[:nargs])`` (addresses; ``fn`` 0 runs nothing; no
+        dependencies) and return its Signal. ``keep`` (holding the block, the library and the
+        memory the call touches) stays alive until the call ran. Only where ``native`` is set.
+        (``Program.__call__`` inlines this for its fast path.)"""
+        if self._stopping:
+            raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+        value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block)
+        held = self._last_held
+        if held is not None and held[1] is keep:
+            held[0] = value
+        else:
+            self._hold(value, keep)
+        sig = _new_object(Signal)
+        sig.timeline = self.timeline
+        sig.value = value
+        sig._error = None
+        sig._elapsed = None
+        return sig
+
+    def _hold(self, value: int, keep: object) -> None:
+        """Keep ``keep`` alive until command ``value`` ran (and later ones extend it while it is
+        the newest). Also starts the worker: every first native submission comes through here."""
+        if self._thread is None:
+            self._start()
+        held = self._last_held = [value, keep]
+        queue = self._held
+        queue.append(held)
+        if len(queue) > 16:
+            completed = self._c.completed
+            while queue and queue[0][0] <= completed:
+                if queue.popleft() is self._last_held:
+                    self._last_held = None
+
     def queued(self) -> int:
         """Commands submitted and not completed (including the one running)."""
         return self.timeline.submitted - self.timeline.completed
 
+    def _halt(self, halted: bool) -> None:
+        """Stop (or resume) running native commands: the device holds a sticky error."""
+        self._c.halted = 1 if halted or self._dropping else 0
+
     def _start(self) -> None:
         with self._start_lock:
             if self._thread is None:
-                thread = threading.Thread(
-                    target=self._worker, name=f"aiotinyrt-{self.timeline.label}", daemon=True
-                )
+                target = self._worker if self._lib is None else self._native_worker
+                thread = threading.Thread(target=target, name=f"aiotinyrt-{self.timeline.label}", daemon=True)
                 thread.start()
                 self._thread = thread
 
     def _next_command(self, expected: int, early: dict[int, Signal]) -> Signal:
-        """Pop the command with value ``expected``, sleeping while the queue is empty."""
+        """Pop the Python command with value ``expected``, sleeping while the queue is empty."""
         commands = self._commands
         while True:
             command = early.pop(expected, None)
@@ -434,13 +585,48 @@ class HostQueue:
                 return command
             early[command.value] = command
 
+    def _run_command(self, sig: Signal, value: int, perf: Callable[[], float], debug: int) -> None:
+        """Run one Python command (after its dependencies) and store its outcome on its signal."""
+        device = self.device
+        fn, args, deps = sig._fn, sig._args, sig._deps
+        if deps:
+            wait_in_thread(deps)
+            for dep in deps:
+                error = dep.error()
+                if error is not None:
+                    sig._error = DeviceError(
+                        f"{device.name}: not run because a command it depends on failed "
+                        f"({dep.timeline.label}@{dep.value}): {error}",
+                        device=device.name,
+                        cause=error,
+                    )
+                    break
+        if self._dropping and sig._error is None:
+            sig._error = DeviceError(f"{device.name} was closed before this command ran", device=device.name)
+        if sig._error is None:
+            if device._error is None:
+                start = perf()
+                try:
+                    fn(*args)  # type: ignore[misc]
+                except BaseException as exc:
+                    sig._error = device._fail(exc, sig)
+                sig._elapsed = perf() - start
+                if debug >= 2:
+                    name = _describe(fn, sig._keep)
+                    print(f"{self.timeline.label}@{value}: {name} {fmt_time(sig._elapsed)}")
+                if self.profile is not None:
+                    self.profile.append((_describe(fn, sig._keep), start, sig._elapsed))
+            else:
+                sig._error = device._error
+        sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
+
     def _worker(self) -> None:
+        """The pure-Python worker: pops commands from the deque and runs them in value order."""
         commands, timeline, device = self._commands, self.timeline, self.device
         perf = time.perf_counter
         early: dict[int, Signal] = {}
         expected = timeline.completed + 1
         debug = debug_level()
-        profile = self.profile
         while True:
             try:
                 sig = commands.popleft()
@@ -449,44 +635,55 @@ class HostQueue:
                     raise IndexError
             except IndexError:
                 sig = self._next_command(expected, early)
-            fn, args, deps = sig._fn, sig._args, sig._deps
-            if fn is None:  # stop marker: args[0] is the last value this queue handed out
+            if sig._fn is None:  # stop marker: args[0] is the last value this queue handed out
                 for early_sig in early.values():
                     early_sig._error = DeviceError(f"{device.name} was closed", device=device.name)
-                timeline.advance(args[0])
+                timeline.advance(sig._args[0])
                 return
-            if deps:
-                wait_in_thread(deps)
-                for dep in deps:
-                    if dep._error is not None:
-                        sig._error = DeviceError(
-                            f"{device.name}: not run because a command it depends on failed "
-                            f"({dep.timeline.label}@{dep.value}): {dep._error}",
-                            device=device.name,
-                            cause=dep._error,
-                        )
-                        break
-            if sig._error is None:
-                if device._error is None:
-                    start = perf()
-                    try:
-                        fn(*args)
-                    except BaseException as exc:
-                        sig._error = device._fail(exc, sig)
-                    sig._elapsed = perf() - start
-                    if debug >= 2:
-                        name = _describe(fn, sig._keep)
-                        print(f"{timeline.label}@{expected}: {name} {fmt_time(sig._elapsed)}")
-                    if profile is not None:
-                        profile.append((_describe(fn, sig._keep), start, sig._elapsed))
-                else:
-                    sig._error = device._error
-            sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
+            self._run_command(sig, expected, perf, debug)
             if timeline._heap:
                 timeline.advance(expected)
             else:
                 timeline.completed = expected
             expected += 1
+
+    def _native_worker(self) -> None:
+        """The worker of a native queue: sits in C running native commands, and comes back to
+        Python for Python commands, waiters and failures (see :mod:`aiotinyrt.native`)."""
+        lib: Any = self._lib
+        c, timeline, device = self._c, self.timeline, self.device
+        perf = time.perf_counter
+        early: dict[int, Signal] = {}
+        debug = debug_level()
+        while True:
+            code = lib.hq_run(c)
+            value = c.expected
+            if code == native.R_FIRE:
+                timeline.fire_due()
+                continue
+            if code == native.R_PY:
+                sig = self._next_command(value, early)
+                if sig._fn is None:  # stop marker
+                    for early_sig in early.values():
+                        early_sig._error = DeviceError(f"{device.name} was closed", device=device.name)
+                    timeline.advance(value)
+                    lib.hq_next(c)
+                    return
+                self._run_command(sig, value, perf, debug)
+            elif code == native.R_HALTED:
+                error = (
+                    DeviceError(f"{device.name} was closed before this command ran", device=device.name)
+                    if self._dropping
+                    else device._error
+                )
+                if error is None:  # reset meanwhile: run it after all
+                    self._halt(False)
+                    continue
+                timeline._record_failure(value, error)
+            elif code != native.R_WAKE:  # pragma: no cover - interrupted: nothing uses it yet
+                return
+            timeline.advance(value)
+            lib.hq_next(c)
 
     def stop(self, *, drop_queued: bool, join_timeout: float | None) -> None:
         """Stop the worker after what is queued (or fail what is queued when ``drop_queued``).
@@ -499,28 +696,38 @@ class HostQueue:
         if self._stopping:
             return
         self._stopping = True
-        dropped: list[Signal] = []
-        if drop_queued:
-            while True:
-                try:
-                    dropped.append(self._commands.popleft())
-                except IndexError:
-                    break
-        dropped.sort(key=lambda c: c.value)
-        for sig in dropped:
-            sig._error = DeviceError(
-                f"{self.device.name} was closed before this command ran", device=self.device.name
-            )
-            sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
-        value = next(self._values)
-        self.timeline.submitted = value
+        if self._lib is not None:
+            if drop_queued:
+                self._dropping = True
+                self._halt(True)
+            value = self._push(self._caddr, native.K_PY, 0, 0, 0)
+            self._commands.append(Signal(self.timeline, value, None, (value,)))
+            if self._sleeping:
+                self._wake.set()
+        else:
+            dropped: list[Signal] = []
+            if drop_queued:
+                while True:
+                    try:
+                        dropped.append(self._commands.popleft())
+                    except IndexError:
+                        break
+            dropped.sort(key=lambda c: c.value)
+            for sig in dropped:
+                sig._error = DeviceError(
+                    f"{self.device.name} was closed before this command ran", device=self.device.name
+                )
+                sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
+            value = next(self._values)
+            self.timeline.submitted = value
+            if self._thread is not None:
+                # the marker takes the place of the dropped commands: the worker advances past them
+                first = dropped[0].value if dropped else value
+                self._commands.append(Signal(self.timeline, first, None, (value,)))
+                self._wake.set()
         if self._thread is None:
             self.timeline.advance(value)
             return
-        # the marker takes the place of the dropped commands: the worker advances past them
-        first = dropped[0].value if dropped else value
-        self._commands.append(Signal(self.timeline, first, None, (value,)))
-        self._wake.set()
         if join_timeout is None:  # the caller waits for the timeline itself (without blocking)
             return
         self._thread.join(join_timeout)
@@ -537,6 +744,17 @@ def _describe(fn: object, keep: object) -> str:
 
 
 _UNIT_SIZE = (1, 1, 1)
+_NO_VALS: tuple[int, ...] = ()
+
+#: The graph the current task is capturing into, if any (see :mod:`aiotinyrt.graph`).
+_capturing: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("aiotinyrt_capture", default=None)
+
+
+@functools.cache
+def _buffer_type() -> type[Buffer]:
+    from aiotinyrt.buffer import Buffer
+
+    return Buffer
 
 
 class Program:
@@ -575,6 +793,12 @@ class Program:
             signature = parse_c_signature(src, name)
             if signature is not None:
                 self.buf_count, self.val_count = signature
+        self._entries: dict[tuple[Any, ...], Any] = {}  # native queue: see _native_entry
+        self._by_bufs: dict[tuple[Buffer, ...], Any] = {}  # the fast path of __call__
+        queue = getattr(device, "_compute_queue", None)
+        native_raw = queue is not None and queue.native and kernel is None
+        self._fast = (queue, queue.timeline) if queue is not None and native_raw else None
+        self._c_launch = native.launcher(Signal, _buffer_type()) if native_raw else None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.device.name}>"
@@ -590,12 +814,36 @@ class Program:
         device queue's worker. Must not run anything itself."""
         raise NotImplementedError
 
+    def _native_call(self, handles: list[Any], global_size: tuple[int, ...], vals: tuple[int, ...]) -> Any:
+        """Backend hook for native queues (:mod:`aiotinyrt.native`): ``(fn, nargs, block, keep)``
+        where ``fn`` is the address of a C function (0: nothing to run), ``block`` the address of
+        a ``uint64_t[]`` of its ``nargs`` arguments and ``keep`` what keeps that block alive; or
+        None when this launch must run through :meth:`_launcher`. Called once per distinct
+        argument list (the result is cached)."""
+        return None
+
+    def _native_entry(self, handles: list[Any], global_size: tuple[int, ...], vals: tuple[int, ...]) -> Any:
+        """``(fn, nargs, block, handles, keep, self)`` for the native queue, or None. Cached per
+        argument list; the tuple travels with the launch and keeps what it uses alive."""
+        key = (*handles, vals)
+        entry = self._entries.get(key)
+        if entry is None:
+            call = self._native_call(handles, global_size, vals)
+            if call is None:
+                return None
+            if len(self._entries) >= 256:  # queued launches keep their own entries alive
+                self._entries.clear()
+                self._by_bufs.clear()
+            fn, nargs, block, keep = call
+            entry = self._entries[key] = (fn, nargs, block, tuple(handles), keep, self)
+        return entry
+
     def __call__(
         self,
         *bufs: Buffer,
         global_size: Sequence[int] = _UNIT_SIZE,
         local_size: Sequence[int] | None = None,
-        vals: Sequence[int] = (),
+        vals: Sequence[int] = _NO_VALS,
         wait_for: Sequence[Signal] = (),
         writes: Sequence[int] | None = None,
     ) -> Signal:
@@ -607,6 +855,70 @@ class Program:
         all of them), which orders it against other work on the same memory. Arguments are
         checked before anything is enqueued (``TypeError``/``ValueError``).
         """
+        fast = self._fast
+        if (
+            fast is not None
+            and global_size is _UNIT_SIZE
+            and local_size is None
+            and vals is _NO_VALS
+            and not wait_for
+            and writes is None
+            and _capturing.get() is None
+        ):
+            # The common launch, again: same buffers as an earlier native launch, each still
+            # holding the memory it had then, each last touched by this queue only. In C when
+            # the extension module is there (native.py's launch()), else the same in Python.
+            queue, timeline = fast
+            c_launch = self._c_launch
+            if c_launch is not None:
+                sig = c_launch(bufs, self._by_bufs, timeline, queue)
+                if sig is not None:
+                    return sig  # type: ignore[no-any-return]
+            try:
+                entry = self._by_bufs.get(bufs)
+            except TypeError:  # an unhashable argument: the full path says what is wrong
+                entry = None
+            if entry is not None:
+                for b, handle in zip(bufs, entry[3], strict=True):  # the key is bufs: same length
+                    if b._handle is not handle:
+                        break
+                    accesses = b._accesses
+                    if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
+                        break
+                else:  # inlined HostQueue.submit_native
+                    if queue._stopping:
+                        raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+                    value = queue._push(queue._caddr, 1, entry[0], entry[1], entry[2])
+                    held = queue._last_held
+                    if held is not None and held[1] is entry:
+                        held[0] = value
+                    else:
+                        queue._hold(value, entry)
+                    sig = _new_object(Signal)
+                    sig.timeline = timeline
+                    sig.value = value
+                    sig._error = None
+                    sig._elapsed = None
+                    for b in bufs:
+                        b._accesses = [(0, b.nbytes, sig, True)]
+                    return sig
+            sig = self._call(bufs, global_size, local_size, vals, wait_for, writes)
+            if all(type(b) is _buffer_type() and b._base is None for b in bufs) and sig.timeline is fast[1]:
+                entry = self._native_entry([b._handle for b in bufs], _UNIT_SIZE, ())
+                if entry is not None:
+                    self._by_bufs[bufs] = entry
+            return sig
+        return self._call(bufs, global_size, local_size, vals, wait_for, writes)
+
+    def _call(
+        self,
+        bufs: tuple[Buffer, ...],
+        global_size: Sequence[int],
+        local_size: Sequence[int] | None,
+        vals: Sequence[int],
+        wait_for: Sequence[Signal],
+        writes: Sequence[int] | None,
+    ) -> Signal:
         device = self.device
         if self.kernel is not None:
             return self._call_kernel(bufs, global_size, local_size, vals, wait_for, writes)
@@ -621,8 +933,7 @@ class Program:
         written = None if writes is None else self._check_writes(writes, len(bufs))
         handles = device._launch_handles(self.name, bufs)
         deps = _check_wait_for(wait_for) if wait_for else ()
-        fn, args = self._launcher(handles, gsz, lsz, vals)  # type: ignore[arg-type]
-        return device._submit_launch(fn, args, bufs, deps, written, self)
+        return device._submit_launch(self, handles, gsz, lsz, vals, bufs, deps, written)
 
     def _call_kernel(
         self,
@@ -645,8 +956,7 @@ class Program:
         all_vals = kernel.launch_vals(vals, gsz)
         written = self._kernel_writes if writes is None else self._check_writes(writes, len(bufs))
         deps = _check_wait_for(wait_for) if wait_for else ()
-        fn, args = self._launcher(tuple(handles), gsz, lsz, all_vals)
-        return device._submit_launch(fn, args, bufs, deps, written, self)
+        return device._submit_launch(self, handles, gsz, lsz, all_vals, bufs, deps, written)
 
     def _check_vals(self, vals: Sequence[int]) -> tuple[int, ...]:
         if type(vals) is not tuple:

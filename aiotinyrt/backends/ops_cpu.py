@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 import cffi
 
+from aiotinyrt import native
 from aiotinyrt.allocator import BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
@@ -191,6 +192,7 @@ class CPUProgram(Program):
         weakref.finalize(self, _unload, int(_ffi.cast("uintptr_t", handle)), fd).atexit = False
         self._addr = _ffi.cast("void *", addr)
         self._fns: dict[tuple[int, int], Any] = {}
+        self._native_fn = int(_ffi.cast("uintptr_t", addr))
 
     def function(self, nbufs: int, nvals: int) -> Any:
         """The kernel as a cffi function pointer taking ``nbufs`` addresses and ``nvals`` ints."""
@@ -200,6 +202,19 @@ class CPUProgram(Program):
             params = ", ".join(["void *"] * nbufs + ["int32_t"] * nvals) or "void"
             fn = self._fns[key] = _ffi.cast(f"void (*)({params})", self._addr)
         return fn
+
+    def _native_call(self, handles: list[Any], global_size: tuple[int, ...], vals: tuple[int, ...]) -> Any:
+        args = [h.addr for h in handles] + [v & 0xFFFFFFFFFFFFFFFF for v in vals]
+        if self.kernel is not None:
+            device = self.device
+            assert isinstance(device, CPUDevice)
+            if cpu_threads(global_size, device.threads) != 1:
+                return None  # split over the core pool: a Python command
+            args += [0, 1]  # core_id, core_count
+        if len(args) > native.MAX_ARGS:
+            return None
+        block = native.ffi.new("uint64_t[]", args or [0])
+        return self._native_fn, len(args), int(native.ffi.cast("uintptr_t", block)), block
 
     def _launcher(
         self,

@@ -34,6 +34,9 @@ def _nothing() -> None:
 
 
 class NullProgram(Program):
+    def _native_call(self, handles: list[Any], global_size: tuple[int, ...], vals: tuple[int, ...]) -> Any:
+        return 0, 0, 0, None  # function address 0: the native worker runs nothing
+
     def _launcher(
         self,
         handles: tuple[Any, ...],

@@ -1,0 +1,595 @@
+"""The native half of the host worker queue: a command ring and its run loop, in C.
+
+Why it exists
+=============
+A launch of a tiny kernel is about a microsecond of work. Run by a Python worker thread, each
+command also costs several microseconds of Python *and* the GIL, which the event loop thread
+needs to submit the next launch: the two threads take turns instead of running side by side.
+Here the worker's inner loop is C. Python only writes a command into the ring (one cffi call,
+which also wakes a sleeping worker) and the worker runs every native command without the GIL:
+a kernel call through a function pointer, with its pointer and int arguments from an argument
+block the program prepared once. The Python worker thread sits in :func:`hq_run` (GIL
+released) and comes back to Python only when it must:
+
+* ``R_PY``: the next command is a Python one (copies, transfers, split kernels, graph replays,
+  anything with cross-queue dependencies); it runs exactly as before;
+* ``R_WAKE``: the command just run reached the smallest value a waiter registered on the
+  timeline (``wake_at``); Python advances the timeline itself, so internal callbacks (deferred
+  frees) run before ``completed`` moves, then wakes the waiting tasks;
+* ``R_FIRE``: a waiter was registered while C advanced past its value; Python fires it;
+* ``R_HALTED``: the device holds a sticky error (or is closing); Python fails the command.
+
+Memory ordering: ``completed``/``wake_at`` form a store-then-load handshake on both sides
+(the worker stores ``completed`` then loads ``wake_at``; a waiter stores ``wake_at`` then loads
+``completed``), so both use sequentially consistent atomics (:func:`hq_set_wake`,
+:func:`hq_complete`); one side always sees the other, and a wake-up cannot be lost. The same
+pattern guards the worker's sleep (``sleeping`` vs. the slot's sequence number).
+
+The ring is a linked list of fixed-size chunks, allocated on demand and recycled once the worker
+passed them, so any number of commands may be in flight without blocking the submitter.
+
+Calling convention: every argument travels as a 64-bit integer. On x86-64 and AArch64 (SysV /
+AAPCS64, Linux) a pointer or a 32-bit int passed in a 64-bit slot lands where the callee reads
+it, so ``fn(a0, ..., an)`` with ``uint64_t`` parameters calls a kernel declared with pointers
+and ``int`` vals correctly. Other platforms use the Python worker (:func:`load` returns None).
+
+The library is built once per machine with the C compiler the CPU backend uses and kept in the
+cache directory (``$XDG_CACHE_HOME/aiotinyrt``); without a compiler, or with ``NATIVE_QUEUE=0``,
+every queue runs on the pure-Python worker, which has the same semantics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+from aiotinyrt.helpers import debug_level, getenv, getenv_str
+
+#: Most arguments a native command may take; longer calls run on the Python path.
+MAX_ARGS = 24
+#: Slots per ring chunk.
+CHUNK = 4096
+#: Device times are kept for this many latest commands of each queue (a power of two).
+ELAPSED_SLOTS = 1 << 14
+
+K_PY, K_NATIVE = 0, 1
+R_PY, R_WAKE, R_FIRE, R_HALTED = 1, 2, 3, 4
+NO_WAKE = (1 << 63) - 1
+
+CDEF = """
+typedef struct {
+    int64_t completed;
+    int64_t submitted;
+    int64_t wake_at;
+    int64_t expected;
+    int32_t halted;
+    int32_t sleeping;
+    double *elapsed;
+} hq_t;
+hq_t *hq_new(void);
+void hq_free(hq_t *q);
+int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args);
+int hq_run(hq_t *q);
+void hq_next(hq_t *q);
+int64_t hq_set_wake(hq_t *q, int64_t value);
+void hq_complete(hq_t *q, int64_t value);
+void hq_interrupt(hq_t *q);
+"""
+
+
+def _call_cases() -> str:
+    cases = []
+    for n in range(MAX_ARGS + 1):
+        params = ", ".join(["u64"] * n) or "void"
+        args = ", ".join(f"a[{i}]" for i in range(n))
+        cases.append(f"    case {n}: ((void (*)({params}))fn)({args}); break;")
+    return "\n".join(cases)
+
+
+SOURCE = (
+    r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+
+typedef uint64_t u64;
+#define CHUNK @CHUNK@
+#define ELAPSED_MASK @ELAPSED_MASK@
+enum { K_PY = 0, K_NATIVE = 1 };
+enum { R_PY = 1, R_WAKE = 2, R_FIRE = 3, R_HALTED = 4 };
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
+
+typedef struct { int64_t seq; void *fn; u64 *args; int32_t kind; int32_t nargs; } hq_slot;
+typedef struct hq_chunk { hq_slot slots[CHUNK]; struct hq_chunk *next; } hq_chunk;
+
+typedef struct {
+    /* shared with Python (the cdef declares this prefix) */
+    int64_t completed, submitted, wake_at, expected;
+    int32_t halted, sleeping;
+    double *elapsed;
+    /* private */
+    int32_t interrupted;
+    hq_chunk *rchunk; int32_t rpos;   /* consumer: where `expected` lives */
+    hq_chunk *wchunk; int32_t wpos;   /* producer: the next free slot */
+    hq_chunk *spare;                  /* recycled chunks, guarded by pmu */
+    pthread_mutex_t pmu;              /* producers */
+    pthread_mutex_t mu; pthread_cond_t cv;  /* the consumer's sleep */
+} hq_t;
+
+static hq_chunk *chunk_new(void) {
+    hq_chunk *c = calloc(1, sizeof(hq_chunk));
+    return c;
+}
+
+hq_t *hq_new(void) {
+    hq_t *q = calloc(1, sizeof(hq_t));
+    if (!q) return NULL;
+    q->elapsed = calloc(ELAPSED_MASK + 1, sizeof(double));
+    q->rchunk = q->wchunk = chunk_new();
+    if (!q->elapsed || !q->rchunk) { free(q->elapsed); free(q->rchunk); free(q); return NULL; }
+    q->wake_at = INT64_MAX;
+    q->expected = 1;
+    pthread_mutex_init(&q->pmu, NULL);
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    return q;
+}
+
+void hq_free(hq_t *q) {
+    hq_chunk *c = q->rchunk;
+    while (c) { hq_chunk *n = c->next; free(c); c = n; }
+    c = q->spare;
+    while (c) { hq_chunk *n = c->next; free(c); c = n; }
+    free(q->elapsed);
+    free(q);
+}
+
+static void wake(hq_t *q) {
+    if (LOAD(&q->sleeping)) {
+        pthread_mutex_lock(&q->mu);
+        pthread_cond_signal(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+    }
+}
+
+/* Append one command; returns its timeline value, or -1 when out of memory. */
+int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args) {
+    pthread_mutex_lock(&q->pmu);
+    if (q->wpos == CHUNK) {
+        hq_chunk *c = q->spare;
+        if (c) q->spare = c->next; else c = chunk_new();
+        if (!c) { pthread_mutex_unlock(&q->pmu); return -1; }
+        c->next = NULL;
+        STORE(&q->wchunk->next, c);
+        q->wchunk = c; q->wpos = 0;
+    }
+    hq_slot *s = &q->wchunk->slots[q->wpos++];
+    int64_t value = q->submitted + 1;
+    s->fn = (void *)fn; s->args = (u64 *)args; s->kind = kind; s->nargs = nargs;
+    STORE(&s->seq, value);
+    STORE(&q->submitted, value);
+    pthread_mutex_unlock(&q->pmu);
+    wake(q);
+    return value;
+}
+
+static void call(void *fn, int32_t n, const u64 *a) {
+    switch (n) {
+@CASES@
+    }
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* The slot holding `expected`, waiting (spin, then sleep) until it is published. NULL when
+   interrupted. */
+static hq_slot *next_slot(hq_t *q) {
+    if (q->rpos == CHUNK) {
+        hq_chunk *n;
+        int spins = 0;
+        while (!(n = LOAD(&q->rchunk->next))) {
+            if (LOAD(&q->interrupted)) return NULL;
+            if (++spins < 20000) { relax(); continue; }
+            pthread_mutex_lock(&q->mu);
+            STORE(&q->sleeping, 1);
+            while (!LOAD(&q->rchunk->next) && !LOAD(&q->interrupted)) pthread_cond_wait(&q->cv, &q->mu);
+            STORE(&q->sleeping, 0);
+            pthread_mutex_unlock(&q->mu);
+        }
+        hq_chunk *old = q->rchunk;
+        q->rchunk = n; q->rpos = 0;
+        pthread_mutex_lock(&q->pmu);  /* recycle: the producer moved past it long ago */
+        old->next = q->spare; q->spare = old;
+        pthread_mutex_unlock(&q->pmu);
+    }
+    hq_slot *s = &q->rchunk->slots[q->rpos];
+    int64_t want = q->expected;
+    int spins = 0;
+    while (LOAD(&s->seq) != want) {
+        if (LOAD(&q->interrupted)) return NULL;
+        if (++spins < 20000) { relax(); if ((spins & 255) == 0) sched_yield(); continue; }
+        pthread_mutex_lock(&q->mu);
+        STORE(&q->sleeping, 1);
+        while (LOAD(&s->seq) != want && !LOAD(&q->interrupted)) pthread_cond_wait(&q->cv, &q->mu);
+        STORE(&q->sleeping, 0);
+        pthread_mutex_unlock(&q->mu);
+    }
+    return s;
+}
+
+/* Move past the current command (its completion is recorded separately). */
+void hq_next(hq_t *q) {
+    q->rpos++;
+    q->expected++;
+}
+
+void hq_complete(hq_t *q, int64_t value) { STORE(&q->completed, value); }
+
+/* Lower wake_at to `value` (a waiter registered); returns `completed` as seen afterwards. */
+int64_t hq_set_wake(hq_t *q, int64_t value) {
+    STORE(&q->wake_at, value);
+    return LOAD(&q->completed);
+}
+
+/* Make a sleeping or spinning hq_run return 0 (used to stop a worker). */
+void hq_interrupt(hq_t *q) {
+    STORE(&q->interrupted, 1);
+    pthread_mutex_lock(&q->mu);
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Run native commands in order until Python is needed; returns R_* (0: interrupted). */
+int hq_run(hq_t *q) {
+    for (;;) {
+        hq_slot *s = next_slot(q);
+        if (!s) return 0;
+        if (s->kind != K_NATIVE) return R_PY;
+        if (LOAD(&q->halted)) return R_HALTED;
+        int64_t v = q->expected;
+        double t0 = now();
+        if (s->fn) call(s->fn, s->nargs, s->args);
+        q->elapsed[v & ELAPSED_MASK] = now() - t0;
+        if (v >= LOAD(&q->wake_at)) return R_WAKE;
+        hq_next(q);
+        STORE(&q->completed, v);
+        if (v >= LOAD(&q->wake_at)) return R_FIRE;
+    }
+}
+
+#ifdef HQ_PYTHON
+/* The same library is also a CPython extension module: push() from Python without libffi and
+   without releasing the GIL (it takes a few dozen nanoseconds), the submit path of every launch. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+static PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "push(queue, kind, fn, nargs, args) takes 5 ints");
+        return NULL;
+    }
+    hq_t *q = (hq_t *)PyLong_AsVoidPtr(args[0]);
+    long kind = PyLong_AsLong(args[1]);
+    void *fn = PyLong_AsVoidPtr(args[2]);
+    long nargs = PyLong_AsLong(args[3]);
+    void *block = PyLong_AsVoidPtr(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (!q) { PyErr_SetString(PyExc_ValueError, "push: NULL queue"); return NULL; }
+    int64_t value = hq_push(q, (int32_t)kind, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
+    if (value < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(value);
+}
+
+/* launch(bufs, by_bufs, timeline, queue): the repeat launch of Program.__call__, in C.
+   Handles exactly the case the Python fast path handles (same base buffers as an earlier native
+   launch, each holding the same memory, each last touched by this queue only, the queue's
+   newest held entry being this one) and returns its Signal; returns None for anything else,
+   having changed nothing, and Python takes over. Slots are read and written through the
+   offsets of the classes' member descriptors (configure() finds them). */
+static PyTypeObject *sig_type, *buf_type;
+static Py_ssize_t off_timeline, off_value, off_error, off_elapsed, off_handle, off_accesses, off_nbytes;
+static PyObject *s_stopping, *s_last_held, *s_caddr, *zero;
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+static int set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {  /* steals value */
+    PyObject *old = SLOT(obj, off);
+    SLOT(obj, off) = value;
+    Py_XDECREF(old);
+    return 0;
+}
+
+static Py_ssize_t slot_offset(PyTypeObject *type, const char *name) {
+    PyObject *d = PyObject_GetAttrString((PyObject *)type, name);
+    if (!d) return -1;
+    if (!PyObject_TypeCheck(d, &PyMemberDescr_Type)) {
+        Py_DECREF(d);
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    Py_ssize_t off = m->type == T_OBJECT_EX ? m->offset : -1;
+    Py_DECREF(d);
+    if (off < 0) PyErr_Format(PyExc_TypeError, "%s.%s is not an object slot", type->tp_name, name);
+    return off;
+}
+
+static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "configure(Signal, Buffer)");
+        return NULL;
+    }
+    PyTypeObject *st = (PyTypeObject *)args[0], *bt = (PyTypeObject *)args[1];
+    if ((off_timeline = slot_offset(st, "timeline")) < 0 || (off_value = slot_offset(st, "value")) < 0 ||
+        (off_error = slot_offset(st, "_error")) < 0 || (off_elapsed = slot_offset(st, "_elapsed")) < 0 ||
+        (off_handle = slot_offset(bt, "_handle")) < 0 || (off_accesses = slot_offset(bt, "_accesses")) < 0 ||
+        (off_nbytes = slot_offset(bt, "nbytes")) < 0)
+        return NULL;
+    Py_INCREF(st); Py_XDECREF(sig_type); sig_type = st;
+    Py_INCREF(bt); Py_XDECREF(buf_type); buf_type = bt;
+    if (!s_stopping) {
+        s_stopping = PyUnicode_InternFromString("_stopping");
+        s_last_held = PyUnicode_InternFromString("_last_held");
+        s_caddr = PyUnicode_InternFromString("_caddr");
+        zero = PyLong_FromLong(0);
+        if (!s_stopping || !s_last_held || !s_caddr || !zero) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 4 || !PyTuple_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !sig_type) {
+        PyErr_SetString(PyExc_TypeError, "launch(bufs, by_bufs, timeline, queue) after configure()");
+        return NULL;
+    }
+    PyObject *bufs = args[0], *timeline = args[2], *queue = args[3];
+    PyObject *entry = PyDict_GetItemWithError(args[1], bufs);  /* borrowed */
+    if (!entry) {
+        PyErr_Clear();  /* not cached, or unhashable arguments: Python decides */
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 4) Py_RETURN_NONE;
+    PyObject *handles = PyTuple_GET_ITEM(entry, 3);
+    Py_ssize_t nb = PyTuple_GET_SIZE(bufs);
+    if (!PyTuple_CheckExact(handles) || PyTuple_GET_SIZE(handles) != nb) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *b = PyTuple_GET_ITEM(bufs, i);
+        if (Py_TYPE(b) != buf_type || SLOT(b, off_handle) != PyTuple_GET_ITEM(handles, i)) Py_RETURN_NONE;
+        PyObject *acc = SLOT(b, off_accesses);
+        if (!acc || !PyList_CheckExact(acc) || PyList_GET_SIZE(acc) > 1) Py_RETURN_NONE;
+        if (PyList_GET_SIZE(acc) == 1) {
+            PyObject *a = PyList_GET_ITEM(acc, 0);
+            if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) != 4) Py_RETURN_NONE;
+            PyObject *prev = PyTuple_GET_ITEM(a, 2);
+            if (Py_TYPE(prev) != sig_type || SLOT(prev, off_timeline) != timeline) Py_RETURN_NONE;
+        }
+    }
+    PyObject *stopping = PyObject_GetAttr(queue, s_stopping);
+    if (!stopping) return NULL;
+    int stop = stopping != Py_False;
+    Py_DECREF(stopping);
+    if (stop) Py_RETURN_NONE;
+    PyObject *held = PyObject_GetAttr(queue, s_last_held);
+    if (!held) return NULL;
+    if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != 2 || PyList_GET_ITEM(held, 1) != entry) {
+        Py_DECREF(held);
+        Py_RETURN_NONE;  /* a new entry to hold: Python's _hold */
+    }
+    PyObject *caddr = PyObject_GetAttr(queue, s_caddr);
+    if (!caddr) { Py_DECREF(held); return NULL; }
+    hq_t *q = (hq_t *)PyLong_AsVoidPtr(caddr);
+    Py_DECREF(caddr);
+    void *fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
+    long nargs = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+    void *block = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2));
+    if (PyErr_Occurred() || !q) { Py_DECREF(held); return NULL; }
+    PyObject *sig = sig_type->tp_alloc(sig_type, 0);
+    if (!sig) { Py_DECREF(held); return NULL; }
+    int64_t v = hq_push(q, K_NATIVE, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
+    if (v < 0) { Py_DECREF(held); Py_DECREF(sig); return PyErr_NoMemory(); }
+    /* from here on the command is queued: record it even if an allocation below fails */
+    PyObject *value = PyLong_FromLongLong(v);
+    if (!value) { Py_DECREF(held); Py_DECREF(sig); return NULL; }
+    Py_INCREF(value);
+    PyList_SetItem(held, 0, value);  /* steals one reference */
+    Py_DECREF(held);
+    Py_INCREF(timeline);
+    set_slot(sig, off_timeline, timeline);
+    set_slot(sig, off_value, value);
+    Py_INCREF(Py_None);
+    set_slot(sig, off_error, Py_None);
+    Py_INCREF(Py_None);
+    set_slot(sig, off_elapsed, Py_None);
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *b = PyTuple_GET_ITEM(bufs, i);
+        PyObject *nbytes = SLOT(b, off_nbytes);
+        PyObject *a = PyTuple_Pack(4, zero, nbytes ? nbytes : zero, sig, Py_True);
+        PyObject *list = a ? PyList_New(1) : NULL;
+        if (!list) { Py_XDECREF(a); Py_DECREF(sig); return NULL; }
+        PyList_SET_ITEM(list, 0, a);
+        set_slot(b, off_accesses, list);
+    }
+    return sig;
+}
+
+static PyMethodDef hq_methods[] = {
+    {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(queue, kind, fn, nargs, args)"},
+    {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "configure(Signal, Buffer)"},
+    {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(bufs, by_bufs, timeline, q)"},
+    {NULL, NULL, 0, NULL},
+};
+static struct PyModuleDef hq_module = {PyModuleDef_HEAD_INIT, "_hostq", NULL, -1, hq_methods};
+PyMODINIT_FUNC PyInit__hostq(void) { return PyModule_Create(&hq_module); }
+#endif
+""".replace("@CHUNK@", str(CHUNK))
+    .replace("@ELAPSED_MASK@", str(ELAPSED_SLOTS - 1))
+    .replace("@CASES@", _call_cases())
+)
+
+ffi = cffi.FFI()
+ffi.cdef(CDEF)
+
+_lock = threading.Lock()
+_loaded: list[Any] = []  # [lib or None] once load() ran
+
+
+def _cache_dir() -> Path:
+    base = getenv_str("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "aiotinyrt"
+
+
+def _compiler() -> str | None:
+    env = getenv_str("CC")
+    if env and shutil.which(env.split()[0]):
+        return env.split()[0]
+    for name in ("clang", "gcc", "cc"):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def supported() -> bool:
+    """True where the uniform 64-bit argument convention holds (see the module docstring)."""
+    return sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64")
+
+
+def _python_include() -> str | None:
+    include = sysconfig.get_paths().get("include")
+    return include if include and os.path.exists(os.path.join(include, "Python.h")) else None
+
+
+def _compile(cc: str, flags: list[str], tag: str) -> Path | None:
+    """Build SOURCE with ``flags`` into the cache directory (once per machine); None on failure."""
+    digest = hashlib.sha256("\0".join([SOURCE, cc, platform.machine(), *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"hostq-{tag}-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".hostq-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, "-O2", "-fPIC", "-shared", "-pthread", *flags, "-x", "c", "-", "-o", tmp],
+            input=SOURCE.encode(),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)  # atomic: concurrent processes each install a whole file
+    except (OSError, subprocess.SubprocessError) as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if debug_level() >= 1:
+            stderr = getattr(exc, "stderr", b"") or b""
+            print(f"aiotinyrt: native queue ({tag}) not built: {exc}\n{stderr.decode(errors='replace')}")
+        return None
+    return target
+
+
+def _build() -> tuple[Any, Any] | None:
+    cc = _compiler()
+    if cc is None:
+        return None
+    include = _python_include()
+    if include is not None:  # the library doubles as an extension module with a fast push()
+        tag = sys.implementation.cache_tag or "py"
+        path = _compile(cc, ["-DHQ_PYTHON", f"-I{include}"], tag)
+        if path is not None:
+            spec = importlib.util.spec_from_file_location("_hostq", path)
+            if spec is not None and spec.loader is not None:
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return ffi.dlopen(str(path)), module
+    path = _compile(cc, [], "c")
+    if path is None:
+        return None
+    lib = ffi.dlopen(str(path))
+    return lib, None
+
+
+def load() -> Any:
+    """The native queue library (built and cached on first use), or None where it is unavailable
+    or disabled by ``NATIVE_QUEUE=0``."""
+    built = _load()
+    return None if built is None else built[0]
+
+
+def pusher() -> Callable[[int, int, int, int, int], int]:
+    """``push(queue_address, kind, fn, nargs, args) -> value``: the extension module's, or one
+    through cffi when the library was built without Python's headers. Raises ``MemoryError`` when
+    no ring chunk can be allocated. Call only after :func:`load` succeeded."""
+    built = _load()
+    assert built is not None
+    lib, module = built
+    if module is not None:
+        return module.push  # type: ignore[no-any-return]
+    cast = ffi.cast
+
+    def push_cffi(q: int, kind: int, fn: int, nargs: int, args: int) -> int:
+        value = int(lib.hq_push(cast("hq_t *", q), kind, fn, nargs, args))
+        if value < 0:
+            raise MemoryError("out of memory for the command queue")
+        return value
+
+    return push_cffi
+
+
+_configured: list[type] = []
+
+
+def launcher(signal_type: type, buffer_type: type) -> Callable[..., Any] | None:
+    """The C ``launch(bufs, by_bufs, timeline, queue)`` of the extension module (see SOURCE),
+    configured for these classes, or None without the extension module."""
+    built = _load()
+    if built is None or built[1] is None:
+        return None
+    module = built[1]
+    if _configured != [signal_type, buffer_type]:
+        with _lock:
+            module.configure(signal_type, buffer_type)
+            _configured[:] = [signal_type, buffer_type]
+    return module.launch  # type: ignore[no-any-return]
+
+
+def _load() -> tuple[Any, Any] | None:
+    if getenv("NATIVE_QUEUE", 1) == 0 or not supported():
+        return None
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _loaded.append(_build())
+    return _loaded[0]  # type: ignore[no-any-return]
