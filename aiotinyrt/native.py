@@ -33,9 +33,11 @@ AAPCS64, Linux) a pointer or a 32-bit int passed in a 64-bit slot lands where th
 it, so ``fn(a0, ..., an)`` with ``uint64_t`` parameters calls a kernel declared with pointers
 and ``int`` vals correctly. Other platforms use the Python worker (:func:`load` returns None).
 
-The library is built once per machine with the C compiler the CPU backend uses and kept in the
-cache directory (``$XDG_CACHE_HOME/aiotinyrt``); without a compiler, or with ``NATIVE_QUEUE=0``,
-every queue runs on the pure-Python worker, which has the same semantics.
+The library is built once per machine with the C compiler the CPU backend uses and kept next to
+the compile cache (``CACHEDB``'s directory, else ``$XDG_CACHE_HOME/aiotinyrt``); without a
+compiler, or with ``NATIVE_QUEUE=0``, every queue runs on the pure-Python worker, which has the
+same semantics. Built with Python's headers (when present) the library is also a CPython extension
+module with two hot paths: ``push()`` and ``launch()``, the repeat launch of ``Program.__call__``.
 """
 
 from __future__ import annotations
@@ -73,12 +75,14 @@ NO_WAKE = (1 << 63) - 1
 CDEF = """
 typedef struct {
     int64_t completed;
-    int64_t submitted;
-    int64_t wake_at;
     int64_t expected;
+    double *elapsed;
+    char _consumer[40];
+    int64_t submitted;
+    char _producer[56];
+    int64_t wake_at;
     int32_t halted;
     int32_t sleeping;
-    double *elapsed;
 } hq_t;
 hq_t *hq_new(void);
 void hq_free(hq_t *q);
@@ -120,19 +124,29 @@ enum { R_PY = 1, R_WAKE = 2, R_FIRE = 3, R_HALTED = 4 };
 typedef struct { int64_t seq; void *fn; u64 *args; int32_t kind; int32_t nargs; } hq_slot;
 typedef struct hq_chunk { hq_slot slots[CHUNK]; struct hq_chunk *next; } hq_chunk;
 
+/* One cache line per writer, so the producer (the event loop) and the consumer (the worker)
+   do not bounce a line between cores on every command. The cdef declares the prefix up to
+   `sleeping`, with the same padding. */
 typedef struct {
-    /* shared with Python (the cdef declares this prefix) */
-    int64_t completed, submitted, wake_at, expected;
-    int32_t halted, sleeping;
+    /* line 0: written by the consumer */
+    int64_t completed, expected;
     double *elapsed;
-    /* private */
-    int32_t interrupted;
-    hq_chunk *rchunk; int32_t rpos;   /* consumer: where `expected` lives */
-    hq_chunk *wchunk; int32_t wpos;   /* producer: the next free slot */
-    hq_chunk *spare;                  /* recycled chunks, guarded by pmu */
+    hq_chunk *rchunk; int64_t rpos;   /* where `expected` lives */
+    char pad0[24];
+    /* line 1: written by producers (under pmu) */
+    int64_t submitted;
+    hq_chunk *wchunk; int64_t wpos;   /* the next free slot */
+    hq_chunk *spare;                  /* recycled chunks */
+    char pad1[32];
+    /* line 2: read on every command, written rarely */
+    int64_t wake_at;
+    int32_t halted, sleeping, interrupted;
+    char pad2[44];
     pthread_mutex_t pmu;              /* producers */
     pthread_mutex_t mu; pthread_cond_t cv;  /* the consumer's sleep */
 } hq_t;
+_Static_assert(__builtin_offsetof(hq_t, submitted) == 64, "hq_t layout");
+_Static_assert(__builtin_offsetof(hq_t, wake_at) == 128, "hq_t layout");
 
 static hq_chunk *chunk_new(void) {
     hq_chunk *c = calloc(1, sizeof(hq_chunk));
@@ -140,8 +154,9 @@ static hq_chunk *chunk_new(void) {
 }
 
 hq_t *hq_new(void) {
-    hq_t *q = calloc(1, sizeof(hq_t));
+    hq_t *q = aligned_alloc(64, (sizeof(hq_t) + 63) / 64 * 64);
     if (!q) return NULL;
+    memset(q, 0, sizeof(hq_t));
     q->elapsed = calloc(ELAPSED_MASK + 1, sizeof(double));
     q->rchunk = q->wchunk = chunk_new();
     if (!q->elapsed || !q->rchunk) { free(q->elapsed); free(q->rchunk); free(q); return NULL; }
@@ -211,40 +226,52 @@ static inline void relax(void) {
 #endif
 }
 
-/* The slot holding `expected`, waiting (spin, then sleep) until it is published. NULL when
-   interrupted. */
+/* Spin this long for the next command before sleeping: a burst of launches (one every couple of
+   microseconds) then needs no wake-up per command, and an idle worker gives its core back after
+   ~50 us. The spin yields the core every 256 rounds, so a kernel thread waiting for it runs. */
+#define SPIN_NS 50000
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Wait until `ready(q, arg)` holds (spin, then sleep on the condition variable); 0 if
+   interrupted first. */
+static int await_ready(hq_t *q, int (*ready)(hq_t *, void *), void *arg) {
+    int64_t deadline = 0;
+    for (uint32_t spins = 1;; spins++) {
+        if (ready(q, arg)) return 1;
+        if (LOAD(&q->interrupted)) return 0;
+        if (spins & 255) { relax(); continue; }
+        if (!deadline) deadline = now_ns() + SPIN_NS;
+        else if (now_ns() > deadline) break;
+        sched_yield();
+    }
+    pthread_mutex_lock(&q->mu);
+    STORE(&q->sleeping, 1);
+    while (!ready(q, arg) && !LOAD(&q->interrupted)) pthread_cond_wait(&q->cv, &q->mu);
+    STORE(&q->sleeping, 0);
+    pthread_mutex_unlock(&q->mu);
+    return !LOAD(&q->interrupted) || ready(q, arg);
+}
+
+static int next_chunk_ready(hq_t *q, void *arg) { (void)arg; return LOAD(&q->rchunk->next) != NULL; }
+static int slot_ready(hq_t *q, void *arg) { return LOAD(&((hq_slot *)arg)->seq) == q->expected; }
+
+/* The slot holding `expected`, once published; NULL when interrupted. */
 static hq_slot *next_slot(hq_t *q) {
     if (q->rpos == CHUNK) {
-        hq_chunk *n;
-        int spins = 0;
-        while (!(n = LOAD(&q->rchunk->next))) {
-            if (LOAD(&q->interrupted)) return NULL;
-            if (++spins < 20000) { relax(); continue; }
-            pthread_mutex_lock(&q->mu);
-            STORE(&q->sleeping, 1);
-            while (!LOAD(&q->rchunk->next) && !LOAD(&q->interrupted)) pthread_cond_wait(&q->cv, &q->mu);
-            STORE(&q->sleeping, 0);
-            pthread_mutex_unlock(&q->mu);
-        }
+        if (!await_ready(q, next_chunk_ready, NULL)) return NULL;
         hq_chunk *old = q->rchunk;
-        q->rchunk = n; q->rpos = 0;
+        q->rchunk = LOAD(&old->next); q->rpos = 0;
         pthread_mutex_lock(&q->pmu);  /* recycle: the producer moved past it long ago */
         old->next = q->spare; q->spare = old;
         pthread_mutex_unlock(&q->pmu);
     }
     hq_slot *s = &q->rchunk->slots[q->rpos];
-    int64_t want = q->expected;
-    int spins = 0;
-    while (LOAD(&s->seq) != want) {
-        if (LOAD(&q->interrupted)) return NULL;
-        if (++spins < 20000) { relax(); if ((spins & 255) == 0) sched_yield(); continue; }
-        pthread_mutex_lock(&q->mu);
-        STORE(&q->sleeping, 1);
-        while (LOAD(&s->seq) != want && !LOAD(&q->interrupted)) pthread_cond_wait(&q->cv, &q->mu);
-        STORE(&q->sleeping, 0);
-        pthread_mutex_unlock(&q->mu);
-    }
-    return s;
+    return await_ready(q, slot_ready, s) ? s : NULL;
 }
 
 /* Move past the current command (its completion is recorded separately). */
@@ -468,8 +495,10 @@ _loaded: list[Any] = []  # [lib or None] once load() ran
 
 
 def _cache_dir() -> Path:
-    base = getenv_str("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "aiotinyrt"
+    """Next to the compile cache (``CACHEDB``, else ``$XDG_CACHE_HOME/aiotinyrt``)."""
+    from aiotinyrt.compiler import cache_path
+
+    return cache_path().parent
 
 
 def _compiler() -> str | None:

@@ -1,0 +1,215 @@
+"""The native host queue (aiotinyrt/native.py): the C command ring, its worker loop, the C repeat-
+launch path, and the pure-Python worker it falls back to.
+
+The rest of the suite runs on the native queue (CI has a C compiler); the last test here runs the
+queue-heavy test modules again with ``NATIVE_QUEUE=0``, so both workers keep the same semantics.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aiotinyrt as rt
+from aiotinyrt import Buffer, Device, DeviceError, native
+from tests.test_faults import inject_failure
+from tests.test_signals import GATE, INC, SPIN, gate_on, int_buffer
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+DEV = "CPU:6"  # a device of its own: these tests hold and fail its queues
+
+
+async def test_cpu_and_null_queues_are_native_and_launches_take_the_c_path() -> None:
+    assert native.load() is not None, "the native queue library did not build (is a C compiler installed?)"
+    for name in ("CPU", "NULL"):
+        dev = Device[name]
+        assert all(q.native for q in dev.queues.values())
+    prog = await Device["CPU"].program("inc", INC)
+    assert prog._c_launch is not None  # the library doubles as the extension module
+    out = await int_buffer("CPU")
+    first = prog(out)  # Python path: builds the argument block, caches the entry
+    second = prog(out)  # C path
+    assert prog._by_bufs and type(second) is type(first)
+    assert await second >= 0.0 and first.done()
+    assert (await out.numpy()).tolist() == [2]
+    await out.free()
+
+
+async def test_thousands_of_launches_across_ring_chunks_with_python_commands_between_stay_in_order() -> None:
+    """Native launches, launches made Python commands by a dependency, and copies on the other
+    queue interleave over several ring chunks; every increment lands, in order."""
+    async with rt.open_device(DEV) as dev:
+        inc = await dev.program("inc", INC)
+        out = await int_buffer(DEV)
+        n = 3 * native.CHUNK + 17
+        sigs = []
+        for i in range(n):
+            if i % 997 == 0 and sigs:
+                sigs.append(inc(out, wait_for=[sigs[-1]]))  # a dependency: a Python command
+            else:
+                sigs.append(inc(out))
+        await sigs[-1]
+        assert all(s.done() and not s.failed() for s in sigs)
+        assert (await out.numpy()).tolist() == [n]
+        await out.free()
+
+
+async def test_native_signal_reports_the_kernel_time_and_polls_without_blocking() -> None:
+    async with rt.open_device(DEV) as dev:
+        spin = await dev.program("spin", SPIN)
+        out = await int_buffer(DEV)
+        sigs = [spin(out, vals=(20,)), spin(out, vals=(20,))]  # the second is the C path
+        assert not sigs[1].done()
+        with pytest.raises(RuntimeError, match="has not completed"):
+            sigs[1].result()
+        for sig in sigs:
+            assert 0.015 < await sig < 5.0
+        assert (await out.numpy()).tolist() == [2]
+        await out.free()
+
+
+async def test_a_fault_fails_the_native_launches_queued_behind_it_and_reset_runs_later_ones() -> None:
+    async with rt.open_device(DEV) as dev, gate_on(DEV) as gate:
+        inc = await dev.program("inc", INC)
+        out = await int_buffer(DEV)
+        ok = [inc(out) for _ in range(10)]
+        gate.launch(out, 5)
+        fault = inject_failure(dev)
+        after = [inc(out) for _ in range(100)]
+        gate.open()
+        with pytest.raises(DeviceError, match="injected"):
+            await fault
+        for sig in after:
+            with pytest.raises(DeviceError, match="injected"):
+                await sig
+            assert sig.failed()
+            assert isinstance(sig.error(), DeviceError)
+            with pytest.raises(DeviceError, match="injected"):
+                sig.result()
+        assert not any(s.failed() for s in ok)
+        await dev.reset()
+        again = [inc(out) for _ in range(3)]
+        await again[-1]
+        assert not any(s.failed() for s in again)
+        assert (await out.numpy()).tolist() == [8]  # the gate wrote 5; the 100 never ran
+        await out.free()
+
+
+async def test_a_program_dropped_with_launches_queued_stays_loaded_until_they_ran() -> None:
+    async with rt.open_device(DEV) as dev, gate_on(DEV) as gate:
+        out = await int_buffer(DEV)
+        gate.launch(out, 0)
+        for i in range(5):  # five distinct libraries, each dropped right after its launches
+            prog = await dev.program("inc", INC + f"\n// variant {i}")
+            for _ in range(3):
+                last = prog(out)
+            del prog
+        gc.collect()
+        gate.open()
+        await last
+        assert (await out.numpy()).tolist() == [15]
+        await out.free()
+
+
+async def test_a_buffer_dropped_without_free_stays_mapped_until_its_launches_ran() -> None:
+    async with rt.open_device(DEV) as dev, gate_on(DEV) as gate:
+        inc = await dev.program("inc", INC)
+        keep = await int_buffer(DEV)
+        gate.launch(keep, 0)
+        for _ in range(4):
+            tmp = await int_buffer(DEV)
+            inc(tmp)
+            last = inc(tmp)  # C path: the entry holds the memory
+            del tmp
+        gc.collect()
+        gate.open()
+        await last
+        await dev.synchronize()
+        await keep.free()
+
+
+def test_launches_from_many_threads_each_with_its_own_loop_all_land() -> None:
+    """Producers in several threads push into one ring concurrently (the push takes a lock and
+    hands out values in slot order)."""
+    n_threads, per_thread = 4, 2000
+    out_holder: list[Buffer] = []
+
+    async def setup() -> None:
+        out_holder.append(await int_buffer("CPU"))
+
+    anyio.run(setup)
+    out = out_holder[0]
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        async def launches() -> None:
+            inc = await Device["CPU"].program("inc", INC)
+            sig = None
+            for _ in range(per_thread):
+                sig = inc(out)
+            assert sig is not None
+            await sig
+
+        try:
+            anyio.run(launches)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+
+    async def check() -> None:
+        await Device["CPU"].synchronize()
+        assert (await out.numpy()).tolist() == [n_threads * per_thread]
+        await out.free()
+
+    anyio.run(check)
+
+
+async def test_closing_a_device_fails_the_native_launches_it_did_not_run() -> None:
+    dev = Device["CPU:7"]
+    inc = await dev.program("inc", INC)
+    gate_prog = await dev.program("gate", GATE)
+    flag = await int_buffer("CPU:7")
+    out = await int_buffer("CPU:7")
+    view = (await flag.as_memoryview()).cast("i")
+    held = gate_prog(flag, out, vals=(0,), writes=(1,))
+    queued = [inc(out) for _ in range(50)]
+    dev._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
+    view[0] = 1  # open the gate: the worker finishes it, then fails the rest
+    await held
+    for sig in queued:
+        with pytest.raises(DeviceError, match="closed"):
+            await sig
+    with pytest.raises(DeviceError, match="closed"):
+        inc(out)
+
+
+def test_the_python_worker_passes_the_queue_tests_too() -> None:
+    """NATIVE_QUEUE=0: the pure-Python worker (the fallback without a C compiler) runs the test
+    modules that exercise queues, signals, ordering and faults, in a fresh interpreter."""
+    env = dict(os.environ, NATIVE_QUEUE="0")
+    modules = [f"tests/test_{name}.py" for name in ("signals", "ordering", "faults", "null")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *modules],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
