@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from aiotinyrt import native
 from aiotinyrt.program import HostQueue, Signal, Timeline, _capturing
 
 if TYPE_CHECKING:
@@ -53,6 +54,11 @@ class _Entry:
     program: Any = None  # the Program, for native CPU runs and keep-alive
 
 
+#: How one run is submitted at replay: ``(fn, args, accesses, keep, command)`` (see Graph._plan).
+_Command = tuple[int, int, int, Any]
+_Plan = tuple[Callable[..., object], tuple[Any, ...], list[tuple["Buffer", bool]], object, _Command | None]
+
+
 @dataclass
 class NativeRun:
     """A run compiled into one C function: ``cfunc(fns, args)`` calls every kernel.
@@ -72,6 +78,16 @@ class NativeRun:
     def call_args(self) -> tuple[Any, Any]:
         return (self.fns, self.args)
 
+    def command(self, args: Any) -> _Command:
+        """``(fn, nargs, block, keep)``: this replay as one command of a native queue."""
+        ffi = native.ffi
+
+        def address(cdata: Any) -> int:
+            return int(ffi.cast("uintptr_t", cdata))
+
+        block = ffi.new("uint64_t[]", [address(self.fns), address(args)])
+        return address(self.cfunc), 2, address(block), (block, args)
+
 
 @dataclass
 class _Run:
@@ -82,8 +98,8 @@ class _Run:
     accesses: list[tuple[Buffer, bool]] = field(default_factory=list)  # distinct buffers, written?
     calls: list[tuple[Callable[..., object], tuple[Any, ...]]] = field(default_factory=list)
     after: list[int] = field(default_factory=list)  # earlier runs it waits for (wait_for)
-    # the replay plan without substitutions, once built: (fn, args, accesses, keep)
-    plain: tuple[Callable[..., object], tuple[Any, ...], list[tuple[Buffer, bool]], object] | None = None
+    # the replay plan without substitutions, once built: see Graph._plan
+    plain: _Plan | None = None
 
 
 class Graph:
@@ -224,15 +240,19 @@ class Graph:
             run.queue.device._check_open()
             plans.append(self._plan(run, swap))
         signals: list[Signal] = []
-        for run, (fn, args, touched, keep) in zip(self._runs, plans, strict=True):
-            timeline = run.queue.timeline
+        for run, (fn, args, touched, keep, command) in zip(self._runs, plans, strict=True):
+            queue = run.queue
+            timeline = queue.timeline
             deps = [signals[r] for r in run.after]  # earlier runs (same queue: already ordered)
             for buf, write in touched:
                 accesses = (buf._base or buf)._accesses
                 # fast path, as for launches: the only access known is on this same queue
                 if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
                     deps.extend(buf.dependencies(timeline, write))
-            sig = run.queue.submit(fn, args, tuple(deps) if deps else (), keep)
+            if command is not None and not deps and queue.native:  # C runs it without the GIL
+                sig = queue.submit_native(command[0], command[1], command[2], (command, keep))
+            else:
+                sig = queue.submit(fn, args, tuple(deps) if deps else (), keep)
             for buf, write in touched:
                 buf.record(sig, write)
             signals.append(sig)
@@ -244,9 +264,9 @@ class Graph:
 
     __call__ = replay
 
-    def _plan(
-        self, run: _Run, swap: dict[int, Buffer]
-    ) -> tuple[Callable[..., object], tuple[Any, ...], list[tuple[Buffer, bool]], object]:
+    def _plan(self, run: _Run, swap: dict[int, Buffer]) -> _Plan:
+        """``(fn, args, accesses, keep, command)``: ``fn(*args)`` runs the run on its queue's
+        worker, ``command`` (native runs only) is the same as a native queue command."""
         if swap:
             merged: dict[int, tuple[Buffer, bool]] = {}
             for buf, write in run.accesses:
@@ -264,9 +284,9 @@ class Graph:
         if not swap:
             if run.plain is None:  # the same every time: built once
                 run.plain = (
-                    (native.cfunc, native.call_args, accesses, (run, native))
+                    (native.cfunc, native.call_args, accesses, (run, native), native.command(native.args))
                     if native is not None
-                    else (_run_calls, (run.calls,), accesses, (run, accesses))
+                    else (_run_calls, (run.calls,), accesses, (run, accesses), None)
                 )
             return run.plain
         if native is not None:
@@ -279,9 +299,10 @@ class Graph:
                         addr = new.handle().addr
                         for slot in slots:
                             args[slot] = addr
-            return native.cfunc, (native.fns, args), accesses, (run, native, args, accesses)
+            keep = (run, native, args, accesses)
+            return native.cfunc, (native.fns, args), accesses, keep, native.command(args)
         if not swap:
-            return _run_calls, (run.calls,), accesses, (run, accesses)
+            return _run_calls, (run.calls,), accesses, (run, accesses), None
         calls = []
         for entry in run.entries:
             call_args = entry.args
@@ -294,7 +315,7 @@ class Graph:
                         for slot, is_ptr in entry.slots[b]:
                             call_args[slot] = new_handle.ptr if is_ptr else new_handle
             calls.append((entry.fn, tuple(call_args)))
-        return _run_calls, (calls,), accesses, (run, accesses)
+        return _run_calls, (calls,), accesses, (run, accesses), None
 
 
 def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[tuple[int, bool]]:
