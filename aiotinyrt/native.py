@@ -226,10 +226,12 @@ static inline void relax(void) {
 #endif
 }
 
-/* Spin this long for the next command before sleeping: a burst of launches (one every couple of
+/* Spin this long for the next command before sleeping: a burst of launches (one every 1-2
    microseconds) then needs no wake-up per command, and an idle worker gives its core back after
-   ~50 us. The spin yields the core every 256 rounds, so a kernel thread waiting for it runs. */
-#define SPIN_NS 50000
+   ~5 us. Kept short on purpose: on a 2-core machine four spinning workers (two devices, compute
+   and copy) took the cores the kernels and the event loop needed (50 us was tried first). The spin
+   yields the core every 256 rounds, so a kernel thread waiting for it runs. */
+#define SPIN_NS 5000
 
 static int64_t now_ns(void) {
     struct timespec ts;
