@@ -16,14 +16,14 @@ released) and comes back to Python only when it must:
 * ``R_WAKE``: the command just run reached the smallest value a waiter registered on the
   timeline (``wake_at``); Python advances the timeline itself, so internal callbacks (deferred
   frees) run before ``completed`` moves, then wakes the waiting tasks;
-* ``R_FIRE``: a waiter was registered while C advanced past its value; Python fires it;
 * ``R_HALTED``: the device holds a sticky error (or is closing); Python fails the command.
 
-Memory ordering: ``completed``/``wake_at`` form a store-then-load handshake on both sides
-(the worker stores ``completed`` then loads ``wake_at``; a waiter stores ``wake_at`` then loads
-``completed``), so both use sequentially consistent atomics (:func:`hq_set_wake`,
-:func:`hq_complete`); one side always sees the other, and a wake-up cannot be lost. The same
-pattern guards the worker's sleep (``sleeping`` vs. the slot's sequence number).
+Memory ordering: the worker's "check ``wake_at``, then store ``completed``" and a waiter's "store
+``wake_at``, then read ``completed``" (:func:`hq_set_wake`) run under one tiny spinlock, so a
+waiter registered concurrently is either seen before ``completed`` moves (and its callback runs
+first) or sees the new value and fires itself: a poller never sees a value whose deferred frees
+have not run, and a wake-up cannot be lost. The worker's sleep (``sleeping`` vs. the slot's
+sequence number) is a store-then-load handshake with sequentially consistent atomics.
 
 The ring is a linked list of fixed-size chunks, allocated on demand and recycled once the worker
 passed them, so any number of commands may be in flight without blocking the submitter.
@@ -69,7 +69,7 @@ CHUNK = 4096
 ELAPSED_SLOTS = 1 << 14
 
 K_PY, K_NATIVE = 0, 1
-R_PY, R_WAKE, R_FIRE, R_HALTED = 1, 2, 3, 4
+R_PY, R_WAKE, R_HALTED = 1, 2, 4
 NO_WAKE = (1 << 63) - 1
 
 CDEF = """
@@ -90,7 +90,6 @@ int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t ar
 int hq_run(hq_t *q);
 void hq_next(hq_t *q);
 int64_t hq_set_wake(hq_t *q, int64_t value);
-void hq_complete(hq_t *q, int64_t value);
 void hq_interrupt(hq_t *q);
 """
 
@@ -117,7 +116,7 @@ typedef uint64_t u64;
 #define CHUNK @CHUNK@
 #define ELAPSED_MASK @ELAPSED_MASK@
 enum { K_PY = 0, K_NATIVE = 1 };
-enum { R_PY = 1, R_WAKE = 2, R_FIRE = 3, R_HALTED = 4 };
+enum { R_PY = 1, R_WAKE = 2, R_HALTED = 4 };
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
 
@@ -132,7 +131,8 @@ typedef struct {
     int64_t completed, expected;
     double *elapsed;
     hq_chunk *rchunk; int64_t rpos;   /* where `expected` lives */
-    char pad0[24];
+    int32_t wlock;                    /* orders `completed` against a registering waiter */
+    char pad0[20];
     /* line 1: written by producers (under pmu) */
     int64_t submitted;
     hq_chunk *wchunk; int64_t wpos;   /* the next free slot */
@@ -282,12 +282,20 @@ void hq_next(hq_t *q) {
     q->expected++;
 }
 
-void hq_complete(hq_t *q, int64_t value) { STORE(&q->completed, value); }
 
-/* Lower wake_at to `value` (a waiter registered); returns `completed` as seen afterwards. */
+static inline void wlock(hq_t *q) { while (__atomic_exchange_n(&q->wlock, 1, __ATOMIC_ACQUIRE)) relax(); }
+static inline void wunlock(hq_t *q) { __atomic_store_n(&q->wlock, 0, __ATOMIC_RELEASE); }
+
+/* Set wake_at (a waiter registered: the smallest waiting value); returns `completed` as seen
+   then. Under wlock, like hq_run's check-then-store: either hq_run sees the new wake_at before
+   it stores `completed` (and returns R_WAKE, so Python runs the waiter first), or the caller
+   sees the stored `completed` and fires the waiter itself. */
 int64_t hq_set_wake(hq_t *q, int64_t value) {
+    wlock(q);
     STORE(&q->wake_at, value);
-    return LOAD(&q->completed);
+    int64_t completed = LOAD(&q->completed);
+    wunlock(q);
+    return completed;
 }
 
 /* Make a sleeping or spinning hq_run return 0 (used to stop a worker). */
@@ -309,10 +317,11 @@ int hq_run(hq_t *q) {
         double t0 = now();
         if (s->fn) call(s->fn, s->nargs, s->args);
         q->elapsed[v & ELAPSED_MASK] = now() - t0;
-        if (v >= LOAD(&q->wake_at)) return R_WAKE;
-        hq_next(q);
+        wlock(q);
+        if (v >= LOAD(&q->wake_at)) { wunlock(q); return R_WAKE; }
         STORE(&q->completed, v);
-        if (v >= LOAD(&q->wake_at)) return R_FIRE;
+        wunlock(q);
+        hq_next(q);
     }
 }
 

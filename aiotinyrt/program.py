@@ -116,11 +116,12 @@ class _Waiter:
     """One registered interest in a timeline value. ``callback`` is None once it fired or was
     abandoned."""
 
-    __slots__ = ("callback", "internal")
+    __slots__ = ("after", "callback", "internal")
 
-    def __init__(self, callback: Callable[[], None], internal: bool) -> None:
+    def __init__(self, callback: Callable[[], None], internal: bool, after: bool = False) -> None:
         self.callback: Callable[[], None] | None = callback
         self.internal = internal
+        self.after = after
 
 
 class _PyState:
@@ -172,10 +173,7 @@ class Timeline:
 
     @completed.setter
     def completed(self, value: int) -> None:
-        if self._lib is None:
-            self._c.completed = value
-        else:
-            self._lib.hq_complete(self._c, value)
+        self._c.completed = value
 
     @property
     def submitted(self) -> int:
@@ -221,13 +219,16 @@ class Timeline:
             return int(self._c.completed)
         return int(self._lib.hq_set_wake(self._c, wake))
 
-    def add_waiter(self, value: int, callback: Callable[[], None], *, internal: bool = False) -> _Waiter:
+    def add_waiter(
+        self, value: int, callback: Callable[[], None], *, internal: bool = False, after: bool = False
+    ) -> _Waiter:
         """Call ``callback`` once ``completed >= value`` (at once, in this thread, if it already is).
 
         Internal callbacks run in the thread that advances the timeline and must not raise or
-        block; task wake-ups must be non-blocking thread-safe calls into a loop.
+        block (before ``completed`` moves, or just after it with ``after``); task wake-ups must be
+        non-blocking thread-safe calls into a loop.
         """
-        waiter = _Waiter(callback, internal)
+        waiter = _Waiter(callback, internal, after)
         if self.completed >= value:
             waiter.callback = None
             callback()
@@ -242,15 +243,26 @@ class Timeline:
     def advance(self, value: int) -> None:
         """Mark every command up to ``value`` complete and fire the waiters that reached it.
 
-        Internal callbacks due at ``value`` (deferred frees, other queues' dependencies) run
-        *before* ``completed`` moves, so anyone who sees the new value, even by polling, also
-        sees their effects; task wake-ups follow."""
-        wakeups = self._run_due(value)
-        self.completed = value
-        for callback in wakeups:
+        Internal callbacks due at ``value`` (deferred frees) run *before* ``completed`` moves, so
+        anyone who sees the new value, even by polling, also sees their effects; ``completed`` is
+        stored under the waiter lock once no due waiter is left, so one registered meanwhile is
+        either run here first or sees the new value and fires itself. Callbacks registered with
+        ``after`` (other queues' dependency waits: a dependent must see this command done) and
+        task wake-ups follow the store."""
+        later: list[Callable[[], None]] = []
+        while True:
+            due: list[_Waiter] = []
+            with self._lock:
+                heap = self._heap
+                while heap and heap[0][0] <= value:
+                    due.append(heapq.heappop(heap)[2])
+                if not due:
+                    self._c.completed = value  # a plain store: no GIL release, no C running
+                    break
+                self._set_wake_locked()
+            later += self._fire(due)
+        for callback in later:
             callback()
-        if self._heap:  # registered while we ran: fire against the new value
-            self.fire_due()
 
     def fire_due(self) -> None:
         """Fire every waiter whose value has been reached: internal callbacks first, then wake-ups."""
@@ -258,7 +270,8 @@ class Timeline:
             callback()
 
     def _run_due(self, upto: int) -> list[Callable[[], None]]:
-        """Pop the waiters due at ``upto``, run the internal ones, return the task wake-ups."""
+        """Pop the waiters due at ``upto``, run the internal ones, return the rest (``after``
+        callbacks, then task wake-ups) for the caller to run."""
         due: list[_Waiter] = []
         with self._lock:
             heap = self._heap
@@ -266,19 +279,29 @@ class Timeline:
                 due.append(heapq.heappop(heap)[2])
             if due:
                 self._set_wake_locked()
+        return self._fire(due)
+
+    @staticmethod
+    def _fire(due: list[_Waiter]) -> list[Callable[[], None]]:
+        """Run the internal callbacks of ``due`` now; return its ``after`` callbacks followed by
+        its task wake-ups."""
+        after: list[Callable[[], None]] = []
         wakeups: list[Callable[[], None]] = []
         for waiter in due:
             callback, waiter.callback = waiter.callback, None
             if callback is None:
                 continue
             if waiter.internal:
+                if waiter.after:
+                    after.append(callback)
+                    continue
                 try:
                     callback()
                 except BaseException as exc:  # never let a callback kill a worker thread
                     _report_callback_error(exc)
             else:
                 wakeups.append(callback)
-        return wakeups
+        return after + wakeups
 
     def pending_waiters(self) -> int:
         """Number of tasks waiting on this timeline (statistics, tests). Internal waiters (queued
@@ -406,11 +429,11 @@ def wait_in_thread(signals: Sequence[Signal]) -> None:
     if all(s.timeline.completed >= s.value for s in signals):
         return
     event = threading.Event()
-    when_all_done(signals, event.set)
+    when_all_done(signals, event.set, after=True)
     event.wait()
 
 
-def when_all_done(signals: Sequence[Signal], fn: Callable[[], None]) -> None:
+def when_all_done(signals: Sequence[Signal], fn: Callable[[], None], *, after: bool = False) -> None:
     """Call ``fn`` once every signal is done: at once in this thread if they already are,
     otherwise in the worker thread that completes the last one. ``fn`` must not raise or block."""
     pending = [s for s in signals if s.timeline.completed < s.value]
@@ -428,7 +451,7 @@ def when_all_done(signals: Sequence[Signal], fn: Callable[[], None]) -> None:
             fn()
 
     for sig in pending:
-        sig.timeline.add_waiter(sig.value, one_done, internal=True)
+        sig.timeline.add_waiter(sig.value, one_done, internal=True, after=after)
 
 
 _SPINS = 64
@@ -641,10 +664,7 @@ class HostQueue:
                 timeline.advance(sig._args[0])
                 return
             self._run_command(sig, expected, perf, debug)
-            if timeline._heap:
-                timeline.advance(expected)
-            else:
-                timeline.completed = expected
+            timeline.advance(expected)
             expected += 1
 
     def _native_worker(self) -> None:
@@ -658,9 +678,6 @@ class HostQueue:
         while True:
             code = lib.hq_run(c)
             value = c.expected
-            if code == native.R_FIRE:
-                timeline.fire_due()
-                continue
             if code == native.R_PY:
                 sig = self._next_command(value, early)
                 if sig._fn is None:  # stop marker
@@ -696,10 +713,15 @@ class HostQueue:
         if self._stopping:
             return
         self._stopping = True
+        name = self.device.name
+        closed = DeviceError(f"{name} was closed before this command ran", device=name)
         if self._lib is not None:
             if drop_queued:
                 self._dropping = True
                 self._halt(True)
+                for sig in list(self._commands):  # queued Python commands: failed, never run
+                    if sig._error is None:
+                        sig._error = closed
             value = self._push(self._caddr, native.K_PY, 0, 0, 0)
             self._commands.append(Signal(self.timeline, value, None, (value,)))
             if self._sleeping:
@@ -731,9 +753,13 @@ class HostQueue:
         if join_timeout is None:  # the caller waits for the timeline itself (without blocking)
             return
         self._thread.join(join_timeout)
-        if self.timeline.completed < value:
-            # the worker is stuck in a command: complete the rest so waiters return
-            self.timeline.advance(value)
+        timeline = self.timeline
+        if timeline.completed < value:
+            # the worker is stuck in a command: complete the rest so waiters return; native
+            # commands among them (after the stuck one) never ran
+            if timeline.completed + 2 <= value - 1:
+                timeline._failures.append((timeline.completed + 2, value - 1, closed))
+            timeline.advance(value)
 
 
 def _describe(fn: object, keep: object) -> str:
