@@ -90,7 +90,6 @@ int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t ar
 int hq_run(hq_t *q);
 void hq_next(hq_t *q);
 int64_t hq_set_wake(hq_t *q, int64_t value);
-void hq_interrupt(hq_t *q);
 """
 
 
@@ -140,8 +139,8 @@ typedef struct {
     char pad1[32];
     /* line 2: read on every command, written rarely */
     int64_t wake_at;
-    int32_t halted, sleeping, interrupted;
-    char pad2[44];
+    int32_t halted, sleeping;
+    char pad2[48];
     pthread_mutex_t pmu;              /* producers */
     pthread_mutex_t mu; pthread_cond_t cv;  /* the consumer's sleep */
 } hq_t;
@@ -239,13 +238,11 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Wait until `ready(q, arg)` holds (spin, then sleep on the condition variable); 0 if
-   interrupted first. */
-static int await_ready(hq_t *q, int (*ready)(hq_t *, void *), void *arg) {
+/* Wait until `ready(q, arg)` holds (spin, then sleep on the condition variable). */
+static void await_ready(hq_t *q, int (*ready)(hq_t *, void *), void *arg) {
     int64_t deadline = 0;
     for (uint32_t spins = 1;; spins++) {
-        if (ready(q, arg)) return 1;
-        if (LOAD(&q->interrupted)) return 0;
+        if (ready(q, arg)) return;
         if (spins & 255) { relax(); continue; }
         if (!deadline) deadline = now_ns() + SPIN_NS;
         else if (now_ns() > deadline) break;
@@ -253,19 +250,18 @@ static int await_ready(hq_t *q, int (*ready)(hq_t *, void *), void *arg) {
     }
     pthread_mutex_lock(&q->mu);
     STORE(&q->sleeping, 1);
-    while (!ready(q, arg) && !LOAD(&q->interrupted)) pthread_cond_wait(&q->cv, &q->mu);
+    while (!ready(q, arg)) pthread_cond_wait(&q->cv, &q->mu);
     STORE(&q->sleeping, 0);
     pthread_mutex_unlock(&q->mu);
-    return !LOAD(&q->interrupted) || ready(q, arg);
 }
 
 static int next_chunk_ready(hq_t *q, void *arg) { (void)arg; return LOAD(&q->rchunk->next) != NULL; }
 static int slot_ready(hq_t *q, void *arg) { return LOAD(&((hq_slot *)arg)->seq) == q->expected; }
 
-/* The slot holding `expected`, once published; NULL when interrupted. */
+/* The slot holding `expected`, once published. */
 static hq_slot *next_slot(hq_t *q) {
     if (q->rpos == CHUNK) {
-        if (!await_ready(q, next_chunk_ready, NULL)) return NULL;
+        await_ready(q, next_chunk_ready, NULL);
         hq_chunk *old = q->rchunk;
         q->rchunk = LOAD(&old->next); q->rpos = 0;
         pthread_mutex_lock(&q->pmu);  /* recycle: the producer moved past it long ago */
@@ -273,7 +269,8 @@ static hq_slot *next_slot(hq_t *q) {
         pthread_mutex_unlock(&q->pmu);
     }
     hq_slot *s = &q->rchunk->slots[q->rpos];
-    return await_ready(q, slot_ready, s) ? s : NULL;
+    await_ready(q, slot_ready, s);
+    return s;
 }
 
 /* Move past the current command (its completion is recorded separately). */
@@ -298,19 +295,10 @@ int64_t hq_set_wake(hq_t *q, int64_t value) {
     return completed;
 }
 
-/* Make a sleeping or spinning hq_run return 0 (used to stop a worker). */
-void hq_interrupt(hq_t *q) {
-    STORE(&q->interrupted, 1);
-    pthread_mutex_lock(&q->mu);
-    pthread_cond_broadcast(&q->cv);
-    pthread_mutex_unlock(&q->mu);
-}
-
-/* Run native commands in order until Python is needed; returns R_* (0: interrupted). */
+/* Run native commands in order until Python is needed; returns R_*. */
 int hq_run(hq_t *q) {
     for (;;) {
         hq_slot *s = next_slot(q);
-        if (!s) return 0;
         if (s->kind != K_NATIVE) return R_PY;
         if (LOAD(&q->halted)) return R_HALTED;
         int64_t v = q->expected;

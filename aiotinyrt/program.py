@@ -128,15 +128,13 @@ class _PyState:
     """The counters of a timeline run by the pure-Python worker (the native queue keeps them in
     C, in an ``hq_t`` with the same field names)."""
 
-    __slots__ = ("completed", "expected", "halted", "sleeping", "submitted", "wake_at")
+    __slots__ = ("completed", "halted", "submitted", "wake_at")
 
     def __init__(self) -> None:
         self.completed = 0
         self.submitted = 0
         self.wake_at = native.NO_WAKE
-        self.expected = 1
         self.halted = 0
-        self.sleeping = 0
 
 
 class Timeline:
@@ -196,12 +194,15 @@ class Timeline:
                 return error
         return None
 
-    def _record_failure(self, value: int, error: BaseException) -> None:
+    def _record_failure(self, first: int, last: int, error: BaseException) -> None:
+        """Native commands ``first..last`` failed with ``error`` (extends the newest range)."""
+        if first > last:
+            return
         failures = self._failures
-        if failures and failures[-1][1] == value - 1 and failures[-1][2] is error:
-            failures[-1] = (failures[-1][0], value, error)
+        if failures and failures[-1][1] == first - 1 and failures[-1][2] is error:
+            failures[-1] = (failures[-1][0], last, error)
         else:
-            failures.append((value, value, error))
+            failures.append((first, last, error))
 
     def elapsed_at(self, value: int) -> float:
         """Device seconds of native command ``value``; NaN once it is too old to be kept."""
@@ -494,7 +495,8 @@ class HostQueue:
         self._sleeping = False
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._dropping = False
+        self._dropping = False  # stop(drop_queued=True): fail what has not run, with _closed_error
+        self._closed_error: DeviceError | None = None
         # what native commands need alive until they ran: [last value using it, object]
         self._held: deque[list[Any]] = deque()
         self._last_held: list[Any] | None = None
@@ -513,17 +515,13 @@ class HostQueue:
         if self._stopping:
             raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
         timeline = self.timeline
-        lib = self._lib
-        if lib is None:
+        if self._lib is None:
             value = next(self._values)
             if value > timeline.submitted:
                 timeline.submitted = value
-            sig = Signal(timeline, value, fn, args, deps, keep)
-        else:
+        else:  # a Python slot in the ring: the worker takes the command from the deque
             value = self._push(self._caddr, native.K_PY, 0, 0, 0)
-            if value < 0:
-                raise MemoryError(f"{self.device.name}: out of memory for the command queue")
-            sig = Signal(timeline, value, fn, args, deps, keep)
+        sig = Signal(timeline, value, fn, args, deps, keep)
         self._commands.append(sig)
         if self._thread is None:
             self._start()
@@ -535,7 +533,7 @@ class HostQueue:
         """Enqueue a native call ``fn(*block[:nargs])`` (addresses; ``fn`` 0 runs nothing; no
         dependencies) and return its Signal. ``keep`` (holding the block, the library and the
         memory the call touches) stays alive until the call ran. Only where ``native`` is set.
-        (``Program.__call__`` inlines this for its fast path.)"""
+        (The extension module's ``launch()`` does the same for repeat launches, in C.)"""
         if self._stopping:
             raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
         value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block)
@@ -625,7 +623,7 @@ class HostQueue:
                     )
                     break
         if self._dropping and sig._error is None:
-            sig._error = DeviceError(f"{device.name} was closed before this command ran", device=device.name)
+            sig._error = self._closed_error
         if sig._error is None:
             if device._error is None:
                 start = perf()
@@ -688,17 +686,11 @@ class HostQueue:
                     return
                 self._run_command(sig, value, perf, debug)
             elif code == native.R_HALTED:
-                error = (
-                    DeviceError(f"{device.name} was closed before this command ran", device=device.name)
-                    if self._dropping
-                    else device._error
-                )
+                error = self._closed_error if self._dropping else device._error
                 if error is None:  # reset meanwhile: run it after all
                     self._halt(False)
                     continue
-                timeline._record_failure(value, error)
-            elif code != native.R_WAKE:  # pragma: no cover - interrupted: nothing uses it yet
-                return
+                timeline._record_failure(value, value, error)
             timeline.advance(value)
             lib.hq_next(c)
 
@@ -714,7 +706,7 @@ class HostQueue:
             return
         self._stopping = True
         name = self.device.name
-        closed = DeviceError(f"{name} was closed before this command ran", device=name)
+        closed = self._closed_error = DeviceError(f"{name} was closed before this command ran", device=name)
         if self._lib is not None:
             if drop_queued:
                 self._dropping = True
@@ -736,9 +728,7 @@ class HostQueue:
                         break
             dropped.sort(key=lambda c: c.value)
             for sig in dropped:
-                sig._error = DeviceError(
-                    f"{self.device.name} was closed before this command ran", device=self.device.name
-                )
+                sig._error = closed
                 sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
             value = next(self._values)
             self.timeline.submitted = value
@@ -757,8 +747,7 @@ class HostQueue:
         if timeline.completed < value:
             # the worker is stuck in a command: complete the rest so waiters return; native
             # commands among them (after the stuck one) never ran
-            if timeline.completed + 2 <= value - 1:
-                timeline._failures.append((timeline.completed + 2, value - 1, closed))
+            timeline._record_failure(timeline.completed + 2, value - 1, closed)
             timeline.advance(value)
 
 
@@ -821,9 +810,11 @@ class Program:
                 self.buf_count, self.val_count = signature
         self._entries: dict[tuple[Any, ...], Any] = {}  # native queue: see _native_entry
         self._by_bufs: dict[tuple[Buffer, ...], Any] = {}  # the fast path of __call__
-        queue = getattr(device, "_compute_queue", None)
+        queue: HostQueue | None = getattr(device, "_compute_queue", None)
         native_raw = queue is not None and queue.native and kernel is None
-        self._fast = (queue, queue.timeline) if queue is not None and native_raw else None
+        self._fast: tuple[HostQueue, Timeline] | None = (
+            (queue, queue.timeline) if queue is not None and native_raw else None
+        )
         self._c_launch = native.launcher(Signal, _buffer_type()) if native_raw else None
 
     def __repr__(self) -> str:
@@ -911,20 +902,8 @@ class Program:
                     accesses = b._accesses
                     if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
                         break
-                else:  # inlined HostQueue.submit_native
-                    if queue._stopping:
-                        raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
-                    value = queue._push(queue._caddr, 1, entry[0], entry[1], entry[2])
-                    held = queue._last_held
-                    if held is not None and held[1] is entry:
-                        held[0] = value
-                    else:
-                        queue._hold(value, entry)
-                    sig = _new_object(Signal)
-                    sig.timeline = timeline
-                    sig.value = value
-                    sig._error = None
-                    sig._elapsed = None
+                else:
+                    sig = queue.submit_native(entry[0], entry[1], entry[2], entry)
                     for b in bufs:
                         b._accesses = [(0, b.nbytes, sig, True)]
                     return sig

@@ -314,6 +314,20 @@ def verdict(values: list[float | None], ok: Callable[[float], bool]) -> str:
     return marks[0] if len(set(marks)) == 1 else " / ".join(marks)
 
 
+def relative_row(values: list[float | None], tinygrad_us: float, target_us: float) -> tuple[str, ...]:
+    """The row above it again, as a fraction of tinygrad's call, against the issue's target
+    stated the same way (``target_us / ANCHOR_TINYGRAD_US``)."""
+    ratio = [None if v is None else v / tinygrad_us for v in values]
+    limit = target_us / ANCHOR_TINYGRAD_US
+    return (
+        "   the same ÷ tinygrad's CPUProgram call (row 2)",
+        "× tinygrad",
+        *(fmt(r) for r in ratio),
+        f"≤ {limit:.2f}",
+        verdict(ratio, lambda v: v <= limit),
+    )
+
+
 def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
     m = s.median
     loops = ("asyncio", "trio")
@@ -361,17 +375,7 @@ def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
         )
     )
     if tg is not None:
-        ratio = [None if v is None else v / tg for v in pipe]
-        limit = TARGET_PIPELINED_US / ANCHOR_TINYGRAD_US
-        rows.append(
-            (
-                "   the same ÷ tinygrad's CPUProgram call (row 2)",
-                "× tinygrad",
-                *(fmt(r) for r in ratio),
-                f"≤ {limit:.2f}",
-                verdict(ratio, lambda v: v <= limit),
-            )
-        )
+        rows.append(relative_row(pipe, tg, TARGET_PIPELINED_US))
     enq = [m(f"enqueue/{b}") for b in loops]
     rows.append(("   of which enqueue (prog() calls before the await)", "µs/launch", *map(fmt, enq), "—", ""))
     held = [m(f"enqueue_held/{b}") for b in loops]
@@ -409,17 +413,7 @@ def report(cfg: Config, s: Samples, tinygrad_label: str) -> str:
         )
     )
     if tg is not None:
-        ratio = [None if v is None else v / tg for v in null]
-        limit = TARGET_NULL_US / ANCHOR_TINYGRAD_US
-        rows.append(
-            (
-                "   the same ÷ tinygrad's CPUProgram call (row 2)",
-                "× tinygrad",
-                *(fmt(r) for r in ratio),
-                f"≤ {limit:.2f}",
-                verdict(ratio, lambda v: v <= limit),
-            )
-        )
+        rows.append(relative_row(null, tg, TARGET_NULL_US))
     size = f"{cfg.copy_bytes // MiB} MiB"
     for direction, what in (("in", "copyin (host → device)"), ("out", "copyout (device → host)")):
         base = m(f"memmove_{direction}")
