@@ -23,7 +23,17 @@ from typing import Any
 
 import anyio
 
-from aiotinyrt import Buffer, Compiled, Device, Program, Signal, dtypes, get_available_devices, synchronize
+from aiotinyrt import (
+    Buffer,
+    Compiled,
+    Device,
+    Program,
+    Signal,
+    dtypes,
+    get_available_devices,
+    native,
+    synchronize,
+)
 from aiotinyrt.program import fmt_time
 
 SAXPY = """
@@ -69,6 +79,7 @@ async def demo() -> None:
     """Lists devices, compiles and runs a kernel on CPU and CPU:1, prints timings, then runs the
     digits MLP as a pipeline over CPU and CPU:1 (see :func:`digits_demo`)."""
     print(f"aiotinyrt demo on {anyio.get_current_task().name and _loop_name()}")
+    await native.prepare()  # the first run on a machine builds the native queue: not on the loop
     devices = get_available_devices()
     print(f"devices: {', '.join(devices)} (default: {Device.DEFAULT})\n")
     cpu = Device["CPU"]

@@ -22,6 +22,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 import aiotinyrt.backends
+from aiotinyrt import native
 from aiotinyrt.allocator import Allocator
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
@@ -524,9 +525,13 @@ async def synchronize(*devices: Compiled | str) -> None:
 @contextlib.asynccontextmanager
 async def open_device(name: str) -> AsyncIterator[Compiled]:
     """``async with open_device("CPU:1") as dev``: the device, synchronized and closed on exit.
+    The native queue library is built or loaded off the event loop first (see
+    :func:`aiotinyrt.native.prepare`).
 
-    Cancellation: the exit path is shielded; the device is always closed.
+    Cancellation: cancelled before the device opened, nothing is opened; the exit path is
+    shielded, so an opened device is always closed.
     """
+    await native.prepare()
     device = Device[name]
     try:
         yield device

@@ -57,6 +57,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import cffi
 
 from aiotinyrt.helpers import debug_level, getenv, getenv_str
@@ -611,6 +614,21 @@ def launcher(signal_type: type, buffer_type: type) -> Callable[..., Any] | None:
             module.configure(signal_type, buffer_type)
             _configured[:] = [signal_type, buffer_type]
     return module.launch  # type: ignore[no-any-return]
+
+
+async def prepare() -> None:
+    """Build (first use on this machine: ~0.7 s of compiler here) or load the library in a worker
+    thread, so that opening a device afterwards does not do it on the event loop thread.
+    ``open_device()`` and the demo call it; code that opens devices with ``Device[name]`` on a
+    loop can await it first.
+
+    Cancellation: cancels the wait; a build already running finishes in its thread and is used
+    by the next device opened.
+    """
+    if _loaded:
+        await anyio.lowlevel.checkpoint()
+        return
+    await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
 
 
 def _load() -> tuple[Any, Any] | None:

@@ -20,7 +20,7 @@ import pytest
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, native
 from tests.test_faults import inject_failure
-from tests.test_signals import GATE, INC, SPIN, gate_on, int_buffer
+from tests.test_signals import GATE, INC, SPIN, assert_cancelled_at_entry, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 
@@ -216,3 +216,31 @@ def test_the_python_worker_passes_the_queue_tests_too() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+async def test_prepare_builds_the_library_off_the_event_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop_thread = threading.get_ident()
+    built_in: list[int] = []
+    real_build = native._build
+
+    def recording_build() -> object:
+        built_in.append(threading.get_ident())
+        return real_build()
+
+    monkeypatch.setattr(native, "_build", recording_build)
+    monkeypatch.setattr(native, "_loaded", [])  # as in a fresh process
+    await native.prepare()
+    assert len(built_in) == 1 and built_in[0] != loop_thread
+    assert native.load() is not None
+    await native.prepare()  # loaded: no second build
+    assert len(built_in) == 1
+
+
+async def test_prepare_and_open_device_are_checkpoints() -> None:
+    await assert_cancelled_at_entry(native.prepare)
+
+    async def open_and_use() -> None:
+        async with rt.open_device("CPU:6"):
+            pass
+
+    await assert_cancelled_at_entry(open_and_use)
