@@ -252,15 +252,11 @@ class Timeline:
         task wake-ups follow the store."""
         later: list[Callable[[], None]] = []
         while True:
-            due: list[_Waiter] = []
             with self._lock:
-                heap = self._heap
-                while heap and heap[0][0] <= value:
-                    due.append(heapq.heappop(heap)[2])
+                due = self._pop_due_locked(value)
                 if not due:
                     self._c.completed = value  # a plain store: no GIL release, no C running
                     break
-                self._set_wake_locked()
             later += self._fire(due)
         for callback in later:
             callback()
@@ -273,14 +269,20 @@ class Timeline:
     def _run_due(self, upto: int) -> list[Callable[[], None]]:
         """Pop the waiters due at ``upto``, run the internal ones, return the rest (``after``
         callbacks, then task wake-ups) for the caller to run."""
-        due: list[_Waiter] = []
         with self._lock:
-            heap = self._heap
-            while heap and heap[0][0] <= upto:
-                due.append(heapq.heappop(heap)[2])
-            if due:
-                self._set_wake_locked()
+            due = self._pop_due_locked(upto)
         return self._fire(due)
+
+    def _pop_due_locked(self, upto: int) -> list[_Waiter]:
+        """Pop the waiters due at ``upto`` and lower ``wake_at`` to the next (caller holds
+        ``_lock``)."""
+        due: list[_Waiter] = []
+        heap = self._heap
+        while heap and heap[0][0] <= upto:
+            due.append(heapq.heappop(heap)[2])
+        if due:
+            self._set_wake_locked()
+        return due
 
     @staticmethod
     def _fire(due: list[_Waiter]) -> list[Callable[[], None]]:
