@@ -91,6 +91,22 @@ async def test_load_generator_against_the_server_then_clean_shutdown() -> None:
     assert all(dev.allocator.statistics().bytes_in_use == 0 for dev in service.pipeline.devices)
 
 
+async def test_gc_freeze_holds_the_start_up_heap_while_serving_and_is_undone_at_stop() -> None:
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    async with running_server(gc_freeze=True) as (url, service):
+        report = await loadgen.run_load(url, requests=8, concurrency=4, batch=2, time_limit=TIMEOUT)
+        async with httpx.AsyncClient(base_url=url) as client:
+            stats = (await client.get("/stats")).json()
+        assert gc.get_freeze_count() > 0
+    assert report.statuses == {200: 8}, report.summary()
+    # the model, the app and the libraries were frozen before the first request was served
+    assert stats["gc"]["frozen_objects"] > 10_000
+    assert len(stats["gc"]["collections"]) == 3
+    assert service.stopped.is_set() and gc.get_freeze_count() == 0
+
+
 async def test_served_accuracy_on_held_out_digits() -> None:
     _, test = mlp.load_digits_mlp()
     answers: dict[int, dict[str, Any]] = {}

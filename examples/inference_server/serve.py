@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -80,6 +81,11 @@ class ServerConfig:
     close_devices: bool = True  #: synchronize and close the devices at shutdown
     lag_interval: float = 0.005  #: the loop-lag ticker's period
     worker_nice: int = 10  #: OS priority of the device worker threads, below the event loop's (0: same)
+    #: after start-up, ``gc.freeze()`` what exists (the model, the app, the imported libraries) so
+    #: the collector's full passes, which stall the loop, only scan what requests allocate. The
+    #: command line sets it; off by default because it acts on the whole process (tests run
+    #: servers in-process). ``stop`` unfreezes.
+    gc_freeze: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -332,6 +338,9 @@ class Service:
         await self.pipeline.infer(array("f", bytes(4 * N_PIXELS)), 1)
         if cfg.worker_nice:
             self.reniced = lower_worker_priority(cfg.worker_nice)
+        if cfg.gc_freeze:
+            gc.collect()
+            gc.freeze()
         self.lag = LoopLag(cfg.lag_interval)
         tg.start_soon(self.lag.run)
         self.ready.set()
@@ -371,6 +380,8 @@ class Service:
                     for device in devices:
                         if not device.closed:
                             await device.aclose()
+            if self.config.gc_freeze:
+                gc.unfreeze()
             self.stopped.set()
 
     def statistics(self) -> dict[str, Any]:
@@ -386,6 +397,10 @@ class Service:
                 "errors": self.errors,
             },
             "loop_lag": self.lag.as_dict(),
+            "gc": {
+                "frozen_objects": gc.get_freeze_count(),
+                "collections": [g["collections"] for g in gc.get_stats()],
+            },
             "worker_threads_reniced": {"nice": self.config.worker_nice, "threads": self.reniced},
         }
         if self.batcher is not None:
@@ -583,11 +598,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None, help="hidden width of a random MLP (load tests)")
     parser.add_argument("--devices", default="CPU,CPU:1", help="one pipeline stage per device")
     parser.add_argument("--mode", choices=MODES, default="pipelined", help="for bench/server.py")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="do not gc.freeze() the start-up heap (see ServerConfig)"
+    )
     args = parser.parse_args(argv)
     if args.width is not None and args.width < 1:
         parser.error("--width must be positive")
     config = ServerConfig(
-        devices=tuple(d for d in args.devices.split(",") if d), width=args.width, mode=args.mode
+        devices=tuple(d for d in args.devices.split(",") if d),
+        width=args.width,
+        mode=args.mode,
+        gc_freeze=not args.no_gc_freeze,
     )
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
