@@ -155,6 +155,19 @@ class Allocator(Generic[T]):
     def _can_transfer_from(self, src_device: Compiled) -> bool:
         return False
 
+    # Native variants (see aiotinyrt.native): the same copy as one C call the queue's worker makes
+    # without the GIL, as ``(fn, nargs, block, keep)`` like ``Program._native_call``; None where
+    # the backend has none (the Python hook above runs instead). Sizes are checked by the caller.
+    def _native_copyin(self, dest: T, src: memoryview) -> tuple[int, int, int, object] | None:
+        return None
+
+    def _native_copyout(self, dest: memoryview, src: T) -> tuple[int, int, int, object] | None:
+        return None
+
+    def _native_transfer(self, dest: T, src: Any, nbytes: int) -> tuple[int, int, int, object] | None:
+        """Only asked when :meth:`_can_transfer_from` holds for the source's device."""
+        return None
+
     def _offset(self, opaque: T, nbytes: int, offset: int) -> T:
         """A handle to ``nbytes`` at ``offset`` inside ``opaque`` (views and sub-buffers)."""
         raise NotImplementedError(f"{self.device.name} does not support buffer views")

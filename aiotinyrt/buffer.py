@@ -303,7 +303,9 @@ class Buffer:
         device = self.device_obj
         queue = device._copy_queue
         deps = tuple(self.dependencies(queue.timeline, True))
-        sig = queue.submit(device.allocator._copyin, (handle, data), deps, keep=(self, data))
+        alloc = device.allocator
+        call = alloc._native_copyin(handle, data) if queue.native else None
+        sig = queue.submit_either(call, alloc._copyin, (handle, data), deps, (self, data))
         self.record(sig, True)
         await sig
         return self
@@ -322,7 +324,9 @@ class Buffer:
         device.allocator.check_copyout()
         queue = device._copy_queue
         deps = tuple(self.dependencies(queue.timeline, False))
-        sig = queue.submit(device.allocator._copyout, (data, handle), deps, keep=(self, data))
+        alloc = device.allocator
+        call = alloc._native_copyout(data, handle) if queue.native else None
+        sig = queue.submit_either(call, alloc._copyout, (data, handle), deps, (self, data))
         self.record(sig, False)
         await sig
 

@@ -279,9 +279,10 @@ class Compiled:
                 extra.extend(b.dependencies(timeline, writes is None or i in writes))
         if extra:
             deps = deps + tuple(extra)
-        entry = None if deps or not queue.native else prog._native_entry(handles, gsz, vals)
-        if entry is not None:  # one C call; the worker runs it without the GIL
-            sig = queue.submit_native(entry[0], entry[1], entry[2], entry)
+        waits = queue.native_deps(deps) if deps and queue.native else []
+        entry = None if waits is None or not queue.native else prog._native_entry(handles, gsz, vals)
+        if entry is not None and waits is not None:  # the worker waits for deps and runs it in C
+            sig = queue.submit_native(entry[0], entry[1], entry[2], entry, waits)
         else:
             fn, args = prog._launcher(tuple(handles), gsz, lsz, vals)
             sig = queue.submit(fn, args, deps, (bufs, prog))
@@ -319,9 +320,9 @@ class Compiled:
             return
         if src_dev is self or alloc._can_transfer_from(src_dev):
             deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
-            sig = queue.submit(
-                alloc._transfer, (dst_handle, src_handle, dest.nbytes, src_dev), deps, keep=(dest, src)
-            )
+            call = alloc._native_transfer(dst_handle, src_handle, dest.nbytes) if queue.native else None
+            args = (dst_handle, src_handle, dest.nbytes, src_dev)
+            sig = queue.submit_either(call, alloc._transfer, args, deps, (dest, src))
             src.record(sig, False)
             dest.record(sig, True)
             await sig
@@ -349,8 +350,10 @@ class Compiled:
         await anyio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         queue = self._copy_queue
-        if src_dev is self or self.allocator._can_transfer_from(src_dev):
-            await queue.submit(self.allocator._transfer, (dest, src, nbytes, src_dev), deps, keep=keep)
+        alloc = self.allocator
+        if src_dev is self or alloc._can_transfer_from(src_dev):
+            call = alloc._native_transfer(dest, src, nbytes) if queue.native else None
+            await queue.submit_either(call, alloc._transfer, (dest, src, nbytes, src_dev), deps, keep)
             return
         src_dev.allocator.check_copyout()
         staging = memoryview(bytearray(nbytes))

@@ -72,7 +72,7 @@ CHUNK = 4096
 ELAPSED_SLOTS = 1 << 14
 
 K_PY, K_NATIVE = 0, 1
-R_PY, R_WAKE, R_HALTED = 1, 2, 4
+R_PY, R_WAKE, R_HALTED, R_DEPS = 1, 2, 4, 8
 NO_WAKE = (1 << 63) - 1
 
 CDEF = """
@@ -86,13 +86,20 @@ typedef struct {
     int64_t wake_at;
     int32_t halted;
     int32_t sleeping;
+    int64_t fail_max;
+    int32_t remote;
+    int32_t deps_ok;
 } hq_t;
 hq_t *hq_new(void);
 void hq_free(hq_t *q);
 int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args);
+int64_t hq_push_deps(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args,
+                     int32_t ndeps, uintptr_t deps);
 int hq_run(hq_t *q);
 void hq_next(hq_t *q);
 int64_t hq_set_wake(hq_t *q, int64_t value);
+void hq_complete(hq_t *q, int64_t value);
+void hq_note_failure(hq_t *q, int64_t value);
 """
 
 
@@ -118,11 +125,14 @@ typedef uint64_t u64;
 #define CHUNK @CHUNK@
 #define ELAPSED_MASK @ELAPSED_MASK@
 enum { K_PY = 0, K_NATIVE = 1 };
-enum { R_PY = 1, R_WAKE = 2, R_HALTED = 4 };
+enum { R_PY = 1, R_WAKE = 2, R_HALTED = 4, R_DEPS = 8 };
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
 #define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
 
-typedef struct { int64_t seq; void *fn; u64 *args; int32_t kind; int32_t nargs; } hq_slot;
+/* deps: ndeps pairs (hq_t address, value): run only once each of those queues completed that value */
+typedef struct {
+    int64_t seq; void *fn; u64 *args; int32_t kind; int32_t nargs; int64_t *deps; int64_t ndeps;
+} hq_slot;
 typedef struct hq_chunk { hq_slot slots[CHUNK]; struct hq_chunk *next; } hq_chunk;
 
 /* One cache line per writer, so the producer (the event loop) and the consumer (the worker)
@@ -143,12 +153,16 @@ typedef struct {
     /* line 2: read on every command, written rarely */
     int64_t wake_at;
     int32_t halted, sleeping;
-    char pad2[48];
+    int64_t fail_max;                 /* the largest value known to have failed (0: none) */
+    int32_t remote;                   /* other queues' workers asleep waiting for `completed` */
+    int32_t deps_ok;                  /* Python checked the current command's dependencies */
+    char pad2[32];
     pthread_mutex_t pmu;              /* producers */
     pthread_mutex_t mu; pthread_cond_t cv;  /* the consumer's sleep */
 } hq_t;
 _Static_assert(__builtin_offsetof(hq_t, submitted) == 64, "hq_t layout");
 _Static_assert(__builtin_offsetof(hq_t, wake_at) == 128, "hq_t layout");
+_Static_assert(__builtin_offsetof(hq_t, fail_max) == 144, "hq_t layout");
 
 static hq_chunk *chunk_new(void) {
     hq_chunk *c = calloc(1, sizeof(hq_chunk));
@@ -188,7 +202,8 @@ static void wake(hq_t *q) {
 }
 
 /* Append one command; returns its timeline value, or -1 when out of memory. */
-int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args) {
+int64_t hq_push_deps(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args,
+                     int32_t ndeps, uintptr_t deps) {
     pthread_mutex_lock(&q->pmu);
     if (q->wpos == CHUNK) {
         hq_chunk *c = q->spare;
@@ -201,11 +216,48 @@ int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t ar
     hq_slot *s = &q->wchunk->slots[q->wpos++];
     int64_t value = q->submitted + 1;
     s->fn = (void *)fn; s->args = (u64 *)args; s->kind = kind; s->nargs = nargs;
+    s->deps = (int64_t *)deps; s->ndeps = ndeps;
     STORE(&s->seq, value);
     STORE(&q->submitted, value);
     pthread_mutex_unlock(&q->pmu);
     wake(q);
     return value;
+}
+
+int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args) {
+    return hq_push_deps(q, kind, fn, nargs, args, 0, 0);
+}
+
+/* Cross-queue waits. A worker whose next command depends on another queue's value sleeps on one
+   process-wide condition variable after announcing itself in that queue's `remote` count; every
+   store of `completed` (here, or Python's through hq_complete) is followed by a look at `remote`.
+   Both sides store then load with sequentially consistent atomics, so either the waiter sees the
+   value or the completing side sees the waiter (and broadcasts under the mutex the waiter holds
+   until it sleeps): a wake-up cannot be lost. */
+static pthread_mutex_t remote_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t remote_cv = PTHREAD_COND_INITIALIZER;
+
+static void notify_remote(hq_t *q) {
+    if (LOAD(&q->remote)) {
+        pthread_mutex_lock(&remote_mu);
+        pthread_cond_broadcast(&remote_cv);
+        pthread_mutex_unlock(&remote_mu);
+    }
+}
+
+/* `completed` from Python (commands run by the Python worker, waiters' advances). */
+void hq_complete(hq_t *q, int64_t value) {
+    STORE(&q->completed, value);
+    notify_remote(q);
+}
+
+/* Command `value` failed: dependents on it (and, conservatively, on anything before it) go back
+   to Python to be checked. Called before `completed` passes `value`. */
+void hq_note_failure(hq_t *q, int64_t value) {
+    int64_t old = LOAD(&q->fail_max);
+    while (old < value && !__atomic_compare_exchange_n(&q->fail_max, &old, value, 0, __ATOMIC_SEQ_CST,
+                                                        __ATOMIC_SEQ_CST)) {
+    }
 }
 
 static void call(void *fn, int32_t n, const u64 *a) {
@@ -258,6 +310,21 @@ static void await_ready(hq_t *q, int (*ready)(hq_t *, void *), void *arg) {
     pthread_mutex_unlock(&q->mu);
 }
 
+/* Wait until queue `o` completed `value`: a very short spin (a couple of microseconds: the
+   dependency may be just finishing; longer spins took the core its kernel needed on 2 cores),
+   then sleep until a completion on `o` broadcasts. */
+static void wait_remote(hq_t *o, int64_t value) {
+    for (int i = 0; i < 64; i++) {
+        if (LOAD(&o->completed) >= value) return;
+        relax();
+    }
+    pthread_mutex_lock(&remote_mu);
+    __atomic_add_fetch(&o->remote, 1, __ATOMIC_SEQ_CST);
+    while (LOAD(&o->completed) < value) pthread_cond_wait(&remote_cv, &remote_mu);
+    __atomic_sub_fetch(&o->remote, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&remote_mu);
+}
+
 static int next_chunk_ready(hq_t *q, void *arg) { (void)arg; return LOAD(&q->rchunk->next) != NULL; }
 static int slot_ready(hq_t *q, void *arg) { return LOAD(&((hq_slot *)arg)->seq) == q->expected; }
 
@@ -304,6 +371,20 @@ int hq_run(hq_t *q) {
         hq_slot *s = next_slot(q);
         if (s->kind != K_NATIVE) return R_PY;
         if (LOAD(&q->halted)) return R_HALTED;
+        if (s->ndeps) {
+            if (q->deps_ok) q->deps_ok = 0;
+            else {
+                int suspect = 0;
+                for (int64_t i = 0; i < s->ndeps; i++) {
+                    hq_t *o = (hq_t *)(uintptr_t)s->deps[2 * i];
+                    int64_t dv = s->deps[2 * i + 1];
+                    wait_remote(o, dv);
+                    if (LOAD(&o->fail_max) >= dv) suspect = 1;
+                }
+                if (suspect) return R_DEPS;  /* Python looks at the dependencies' outcomes */
+                if (LOAD(&q->halted)) return R_HALTED;
+            }
+        }
         int64_t v = q->expected;
         double t0 = now();
         if (s->fn) call(s->fn, s->nargs, s->args);
@@ -312,6 +393,7 @@ int hq_run(hq_t *q) {
         if (v >= LOAD(&q->wake_at)) { wunlock(q); return R_WAKE; }
         STORE(&q->completed, v);
         wunlock(q);
+        notify_remote(q);
         hq_next(q);
     }
 }
@@ -325,8 +407,8 @@ int hq_run(hq_t *q) {
 
 static PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
-    if (n != 5) {
-        PyErr_SetString(PyExc_TypeError, "push(queue, kind, fn, nargs, args) takes 5 ints");
+    if (n != 5 && n != 7) {
+        PyErr_SetString(PyExc_TypeError, "push(queue, kind, fn, nargs, args[, ndeps, deps]): 5 or 7 ints");
         return NULL;
     }
     hq_t *q = (hq_t *)PyLong_AsVoidPtr(args[0]);
@@ -335,8 +417,12 @@ static PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     long nargs = PyLong_AsLong(args[3]);
     void *block = PyLong_AsVoidPtr(args[4]);
     if (PyErr_Occurred()) return NULL;
+    long ndeps = n == 7 ? PyLong_AsLong(args[5]) : 0;
+    void *deps = n == 7 ? PyLong_AsVoidPtr(args[6]) : NULL;
+    if (PyErr_Occurred()) return NULL;
     if (!q) { PyErr_SetString(PyExc_ValueError, "push: NULL queue"); return NULL; }
-    int64_t value = hq_push(q, (int32_t)kind, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
+    int64_t value = hq_push_deps(q, (int32_t)kind, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block,
+                                 (int32_t)ndeps, (uintptr_t)deps);
     if (value < 0) return PyErr_NoMemory();
     return PyLong_FromLongLong(value);
 }
@@ -475,8 +561,24 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     return sig;
 }
 
+/* complete(queue, value): hq_complete without releasing the GIL */
+static PyObject *py_complete(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "complete(queue, value) takes 2 ints");
+        return NULL;
+    }
+    hq_t *q = (hq_t *)PyLong_AsVoidPtr(args[0]);
+    long long value = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!q) { PyErr_SetString(PyExc_ValueError, "complete: NULL queue"); return NULL; }
+    hq_complete(q, value);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef hq_methods[] = {
-    {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(queue, kind, fn, nargs, args)"},
+    {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(q, kind, fn, n, args[, nd, deps])"},
+    {"complete", (PyCFunction)(void (*)(void))py_complete, METH_FASTCALL, "complete(queue, value)"},
     {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "configure(Signal, Buffer)"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(bufs, by_bufs, timeline, q)"},
     {NULL, NULL, 0, NULL},
@@ -597,6 +699,42 @@ def pusher() -> Callable[[int, int, int, int, int], int]:
         return value
 
     return push_cffi
+
+
+def pusher_deps() -> Callable[[int, int, int, int, int, int, int], int]:
+    """``push(queue_address, kind, fn, nargs, args, ndeps, deps) -> value``: as :func:`pusher`,
+    for a command that runs once every ``(queue address, value)`` pair of the ``int64_t[2 *
+    ndeps]`` at ``deps`` is complete (waited for by the worker, in C)."""
+    built = _load()
+    assert built is not None
+    lib, module = built
+    if module is not None:
+        return module.push  # type: ignore[no-any-return]
+    cast = ffi.cast
+
+    def push_cffi(q: int, kind: int, fn: int, nargs: int, args: int, ndeps: int, deps: int) -> int:
+        value = int(lib.hq_push_deps(cast("hq_t *", q), kind, fn, nargs, args, ndeps, deps))
+        if value < 0:
+            raise MemoryError("out of memory for the command queue")
+        return value
+
+    return push_cffi
+
+
+def completer() -> Callable[[int, int], None]:
+    """``complete(queue_address, value)``: store ``completed`` from Python and wake workers of
+    other queues waiting for it (the extension module's, without releasing the GIL, else cffi)."""
+    built = _load()
+    assert built is not None
+    lib, module = built
+    if module is not None:
+        return module.complete  # type: ignore[no-any-return]
+    cast = ffi.cast
+
+    def complete_cffi(q: int, value: int) -> None:
+        lib.hq_complete(cast("hq_t *", q), value)
+
+    return complete_cffi
 
 
 _configured: list[type] = []

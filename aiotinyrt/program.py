@@ -146,7 +146,7 @@ class Timeline:
     Python object with the same fields.
     """
 
-    __slots__ = ("_c", "_failures", "_heap", "_lib", "_lock", "_seq", "device", "name")
+    __slots__ = ("_c", "_caddr", "_complete", "_failures", "_heap", "_lib", "_lock", "_seq", "device", "name")
 
     def __init__(self, device: str, name: str, lib: Any = None) -> None:
         self.device = device
@@ -155,10 +155,15 @@ class Timeline:
         self._c: Any = _PyState() if lib is None else native.ffi.gc(lib.hq_new(), lib.hq_free)
         if self._c == native.ffi.NULL:
             raise MemoryError(f"{device}: cannot allocate the native queue of {name}")
+        #: the C struct's address, and the store of ``completed`` that also wakes other queues'
+        #: workers waiting for it in C (native dependencies)
+        self._caddr = 0 if lib is None else int(native.ffi.cast("uintptr_t", self._c))
+        self._complete = None if lib is None else native.completer()
         self._lock = threading.Lock()
         self._heap: list[tuple[int, int, _Waiter]] = []
         self._seq = itertools.count()
-        #: (first, last, error) of native commands that failed (they have no Python signal)
+        #: (first, last, error) of commands that failed (native ones have no Python signal to
+        #: hold it; on a native queue Python commands' failures are here too)
         self._failures: list[tuple[int, int, BaseException]] = []
 
     def __repr__(self) -> str:
@@ -188,7 +193,8 @@ class Timeline:
         return f"{self.device}/{self.name}"
 
     def failure_at(self, value: int) -> BaseException | None:
-        """The error of native command ``value``, if it failed (or was not run)."""
+        """The error of command ``value``, if it failed (or was not run): every command of a
+        native queue, Python ones included, once completed; native commands only otherwise."""
         for first, last, error in reversed(self._failures):
             if first <= value <= last:
                 return error
@@ -198,11 +204,19 @@ class Timeline:
         """Native commands ``first..last`` failed with ``error`` (extends the newest range)."""
         if first > last:
             return
+        self._note_failure(last)
         failures = self._failures
         if failures and failures[-1][1] == first - 1 and failures[-1][2] is error:
             failures[-1] = (failures[-1][0], last, error)
         else:
             failures.append((first, last, error))
+
+    def _note_failure(self, value: int) -> None:
+        """Command ``value`` failed: native commands of other queues that depend on it (or on
+        anything before it) come back to Python, which checks their dependencies' outcomes.
+        Called before ``completed`` reaches ``value``."""
+        if self._lib is not None:
+            self._lib.hq_note_failure(self._c, value)
 
     def elapsed_at(self, value: int) -> float:
         """Device seconds of native command ``value``; NaN once it is too old to be kept."""
@@ -255,7 +269,11 @@ class Timeline:
             with self._lock:
                 due = self._pop_due_locked(value)
                 if not due:
-                    self._c.completed = value  # a plain store: no GIL release, no C running
+                    complete = self._complete
+                    if complete is None:
+                        self._c.completed = value
+                    else:  # also wakes other queues' workers waiting for it (no GIL release)
+                        complete(self._caddr, value)
                     break
             later += self._fire(due)
         for callback in later:
@@ -489,7 +507,11 @@ class HostQueue:
         self._c = self.timeline._c
         if lib is not None:
             self._push = native.pusher()
-            self._caddr = int(native.ffi.cast("uintptr_t", self._c))
+            self._push_deps = native.pusher_deps()
+            self._caddr = self.timeline._caddr
+        # the dependencies ``(timeline, value)`` of queued native commands that have some, by
+        # value (see R_DEPS); no Signals, so nothing keeps them alive
+        self._dep_sigs: dict[int, tuple[tuple[Timeline, int], ...]] = {}
         self._commands: deque[Signal] = deque()  # queued Python commands travel as their signals
         self._values = itertools.count(1)
         self._start_lock = threading.Lock()
@@ -531,25 +553,75 @@ class HostQueue:
             self._wake.set()
         return sig
 
-    def submit_native(self, fn: int, nargs: int, block: int, keep: object) -> Signal:
-        """Enqueue a native call ``fn(*block[:nargs])`` (addresses; ``fn`` 0 runs nothing; no
-        dependencies) and return its Signal. ``keep`` (holding the block, the library and the
-        memory the call touches) stays alive until the call ran. Only where ``native`` is set.
-        (The extension module's ``launch()`` does the same for repeat launches, in C.)"""
+    def native_deps(self, deps: Sequence[Signal]) -> list[Signal] | None:
+        """Of ``deps``, those a native command must wait for (not done yet, on another queue),
+        or None when one cannot be waited for in C: it already failed, or its queue is not
+        native. The Python path then runs the command (and names the failure)."""
+        out: list[Signal] = []
+        own = self.timeline
+        for dep in deps:
+            timeline = dep.timeline
+            if timeline is own:  # an earlier command of this queue: done by then
+                continue
+            if dep._error is not None or timeline._lib is None:
+                return None
+            if timeline.completed < dep.value:
+                out.append(dep)
+            elif timeline._failures and dep.error() is not None:
+                return None
+        return out
+
+    def submit_native(
+        self, fn: int, nargs: int, block: int, keep: object, deps: Sequence[Signal] = ()
+    ) -> Signal:
+        """Enqueue a native call ``fn(*block[:nargs])`` (addresses; ``fn`` 0 runs nothing) and
+        return its Signal. ``keep`` (holding the block, the library and the memory the call
+        touches) stays alive until the call ran. ``deps`` (from :meth:`native_deps`) are waited
+        for by the worker, in C. Only where ``native`` is set. (The extension module's
+        ``launch()`` does the same for repeat launches, in C.)"""
         if self._stopping:
             raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
-        value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block)
-        held = self._last_held
-        if held is not None and held[1] is keep:
-            held[0] = value
+        if deps:
+            ffi = native.ffi
+            pairs = ffi.new("int64_t[]", [x for dep in deps for x in (dep.timeline._caddr, dep.value)])
+            address = int(ffi.cast("uintptr_t", pairs))
+            value = self._push_deps(self._caddr, native.K_NATIVE, fn, nargs, block, len(deps), address)
+            waiting = self._dep_sigs
+            on = waiting[value] = tuple((dep.timeline, dep.value) for dep in deps)
+            if len(waiting) > 64:  # forget those that ran (R_DEPS pops only suspects)
+                completed = self._c.completed
+                for done in [v for v in list(waiting) if v <= completed]:
+                    waiting.pop(done, None)
+            self._hold(value, (keep, pairs, on))  # the timelines own the C queues it reads
         else:
-            self._hold(value, keep)
+            value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block)
+            held = self._last_held
+            if held is not None and held[1] is keep:
+                held[0] = value
+            else:
+                self._hold(value, keep)
         sig = _new_object(Signal)
         sig.timeline = self.timeline
         sig.value = value
         sig._error = None
         sig._elapsed = None
         return sig
+
+    def submit_either(
+        self,
+        call: tuple[int, int, int, object] | None,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        deps: tuple[Signal, ...],
+        keep: object,
+    ) -> Signal:
+        """Enqueue a command that has both forms: the native ``call`` (``(fn, nargs, block,
+        keep)``, or None) when the worker can wait for ``deps`` in C, else ``fn(*args)``."""
+        if call is not None and self.native:
+            waits = self.native_deps(deps) if deps else ()
+            if waits is not None:
+                return self.submit_native(call[0], call[1], call[2], (call[3], keep), waits)
+        return self.submit(fn, args, deps, keep)
 
     def _hold(self, value: int, keep: object) -> None:
         """Keep ``keep`` alive until command ``value`` ran (and later ones extend it while it is
@@ -617,12 +689,7 @@ class HostQueue:
             for dep in deps:
                 error = dep.error()
                 if error is not None:
-                    sig._error = DeviceError(
-                        f"{device.name}: not run because a command it depends on failed "
-                        f"({dep.timeline.label}@{dep.value}): {error}",
-                        device=device.name,
-                        cause=error,
-                    )
+                    sig._error = _dependency_failed(device.name, dep.timeline.label, dep.value, error)
                     break
         if self._dropping and sig._error is None:
             sig._error = self._closed_error
@@ -687,6 +754,18 @@ class HostQueue:
                     lib.hq_next(c)
                     return
                 self._run_command(sig, value, perf, debug)
+                if sig._error is not None:  # on the timeline too: native dependents look there
+                    timeline._record_failure(value, value, sig._error)
+            elif code == native.R_DEPS:  # a dependency's queue has failures: look at its outcome
+                for other, at in self._dep_sigs.pop(value, ()):
+                    error = other.failure_at(at)
+                    if error is not None:
+                        failed = _dependency_failed(device.name, other.label, at, error)
+                        timeline._record_failure(value, value, failed)
+                        break
+                else:
+                    c.deps_ok = 1  # run it after all
+                    continue
             elif code == native.R_HALTED:
                 error = self._closed_error if self._dropping else device._error
                 if error is None:  # reset meanwhile: run it after all
@@ -751,6 +830,14 @@ class HostQueue:
             # commands among them (after the stuck one) never ran
             timeline._record_failure(timeline.completed + 2, value - 1, closed)
             timeline.advance(value)
+
+
+def _dependency_failed(device: str, label: str, value: int, error: BaseException) -> DeviceError:
+    return DeviceError(
+        f"{device}: not run because a command it depends on failed ({label}@{value}): {error}",
+        device=device,
+        cause=error,
+    )
 
 
 def _describe(fn: object, keep: object) -> str:

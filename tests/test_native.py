@@ -12,15 +12,17 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, native
 from tests.test_faults import inject_failure
-from tests.test_signals import GATE, INC, SPIN, assert_cancelled_at_entry, gate_on, int_buffer
+from tests.test_signals import GATE, INC, SPIN, STAMP, assert_cancelled_at_entry, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 
@@ -101,6 +103,86 @@ async def test_a_fault_fails_the_native_launches_queued_behind_it_and_reset_runs
         await again[-1]
         assert not any(s.failed() for s in again)
         assert (await out.numpy()).tolist() == [8]  # the gate wrote 5; the 100 never ran
+        await out.free()
+
+
+OTHER = "CPU:9"  # the second device of the cross-device tests
+
+
+async def test_a_launch_waiting_for_another_device_waits_in_c_and_starts_after_it() -> None:
+    """A dependency on another device's command no longer makes a launch a Python command: the
+    worker waits for the other queue in C, and the launch starts only after that command ran."""
+    async with rt.open_device(DEV), rt.open_device(OTHER) as other, gate_on(DEV) as gate:
+        stamp = await other.program("stamp", STAMP)
+        out = await int_buffer(DEV)
+        when = await Buffer(OTHER, 1, rt.dtypes.float64).allocate()
+        held = gate.launch(out, 7)
+        queue = other.queues["compute"]
+        after = stamp(when, wait_for=[held])
+        assert not queue._commands  # not handed to the Python worker
+        assert not after.done()
+        opened = time.monotonic()  # the clock the stamp kernel reads
+        gate.open()
+        assert await after >= 0.0 and held.done() and not held.failed()
+        assert (await when.numpy())[0] >= opened
+        assert (await out.numpy()).tolist() == [7]
+        await out.free()
+        await when.free()
+
+
+async def test_copies_between_devices_and_host_run_natively_and_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """copyin, copy_from between CPU devices and copyout are native commands (no Python command
+    is submitted on either copy queue), ordered after the kernels that write their sources."""
+    async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other, gate_on(DEV) as gate:
+        python_submits: list[str] = []
+        for d in (dev, other):
+            queue = d.queues["copy"]
+            original = queue.submit
+
+            def counting(
+                *args: object, _orig: object = original, _name: str = d.name, **kw: object
+            ) -> object:
+                python_submits.append(_name)
+                return _orig(*args, **kw)  # type: ignore[operator]
+
+            monkeypatch.setattr(queue, "submit", counting)
+        inc = await dev.program("inc", INC)
+        src = await int_buffer(DEV)
+        dst = await int_buffer(OTHER)
+        await src.copyin(np.array([100], np.int32))
+        gate.launch(src, 5)  # holds the compute queue, then writes 5
+        bumped = inc(src)  # 6, behind the gate
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dst.copy_from, src)  # waits for the increment, on CPU:9's copy worker
+            await anyio.wait_all_tasks_blocked()  # the copy is queued behind the gate
+            assert not bumped.done()
+            gate.open()
+        assert bumped.done()
+        assert (await dst.numpy()).tolist() == [6]
+        assert python_submits == []
+        await src.free()
+        await dst.free()
+
+
+async def test_a_failed_dependency_on_another_device_fails_the_native_launch_only() -> None:
+    """The dependency fails after the dependent was queued (the C worker waited for it): the
+    dependent fails naming it, runs nothing, and its own device stays usable."""
+    async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other, gate_on(DEV) as gate:
+        inc = await other.program("inc", INC)
+        out = await int_buffer(OTHER)
+        gate.launch(await int_buffer(DEV), 1)
+        fault = inject_failure(dev)
+        dependent = inc(out, wait_for=[fault])
+        assert not other.queues["compute"]._commands  # queued as a native command
+        gate.open()
+        with pytest.raises(DeviceError, match="depends on failed"):
+            await dependent
+        assert dependent.failed()
+        await inc(out)  # CPU:9 is not poisoned
+        assert (await out.numpy()).tolist() == [1]
+        await dev.reset()
         await out.free()
 
 

@@ -54,6 +54,27 @@ for _symbol in ("dlopen", "dlsym", "dlerror", "dlclose", "memcpy", "memmove"):
     getattr(_libc, _symbol)
 
 
+_MEMMOVE = int(_ffi.cast("uintptr_t", _libc.memmove))
+
+
+def _host_address(view: memoryview, writable: bool) -> int:
+    """The address of a contiguous host buffer. The caller keeps ``view`` alive until the copy
+    ran: its own export pins the memory (a bytearray cannot be resized meanwhile). cffi's export
+    is released at once, so no cffi object referring to the view outlives this call (one left
+    in a reference cycle with the view crashes the interpreter's final collection)."""
+    cdata = _ffi.from_buffer(view, require_writable=writable)
+    try:
+        return int(_ffi.cast("uintptr_t", cdata))
+    finally:
+        _ffi.release(cdata)
+
+
+def _native_memmove(dest: int, src: int, nbytes: int, keep: object) -> tuple[int, int, int, object]:
+    """A native queue command: ``memmove(dest, src, nbytes)`` (views of one buffer may overlap)."""
+    block = native.ffi.new("uint64_t[3]", [dest, src, nbytes])
+    return _MEMMOVE, 3, int(native.ffi.cast("uintptr_t", block)), (block, keep)
+
+
 def _dlerror() -> str:
     message = _libc.dlerror()
     return "unknown loader error" if message == _ffi.NULL else _ffi.string(message).decode(errors="replace")
@@ -306,6 +327,15 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
 
     def _can_transfer_from(self, src_device: Compiled) -> bool:
         return isinstance(src_device.allocator, CPUAllocator)
+
+    def _native_copyin(self, dest: CPUMemory, src: memoryview) -> tuple[int, int, int, object] | None:
+        return _native_memmove(dest.addr, _host_address(src, False), src.nbytes, None)
+
+    def _native_copyout(self, dest: memoryview, src: CPUMemory) -> tuple[int, int, int, object] | None:
+        return _native_memmove(_host_address(dest, True), src.addr, dest.nbytes, None)
+
+    def _native_transfer(self, dest: CPUMemory, src: Any, nbytes: int) -> tuple[int, int, int, object] | None:
+        return _native_memmove(dest.addr, src.addr, nbytes, None)
 
     def _offset(self, opaque: CPUMemory, nbytes: int, offset: int) -> CPUMemory:
         return CPUMemory(opaque.mm, opaque.addr + offset, opaque.offset + offset, nbytes)
