@@ -100,6 +100,8 @@ class _Run:
     after: list[int] = field(default_factory=list)  # earlier runs it waits for (wait_for)
     # the replay plan without substitutions, once built: see Graph._plan
     plain: _Plan | None = None
+    # a run of one transfer whose allocator has a native form (CPU memmove): that allocator
+    transfer: Any = None
 
 
 class Graph:
@@ -202,6 +204,11 @@ class Graph:
             builder = getattr(run.queue.device, "_native_graph", None)
             if builder is not None and all(e.program is not None for e in run.entries):
                 run.native = await builder(run.entries)
+            if len(run.entries) == 1 and run.queue.native:
+                fn = run.entries[0].fn
+                owner = getattr(fn, "__self__", None)
+                if owner is not None and fn == getattr(owner, "_transfer", None):
+                    run.transfer = owner
         self._runs = runs
 
     # ---- replay -------------------------------------------------------------------------------
@@ -290,7 +297,13 @@ class Graph:
                 run.plain = (
                     (native.cfunc, native.call_args, accesses, (run, native), native.command(native.args))
                     if native is not None
-                    else (_run_calls, (run.calls,), accesses, (run, accesses), None)
+                    else (
+                        _run_calls,
+                        (run.calls,),
+                        accesses,
+                        (run, accesses),
+                        _transfer_command(run, run.calls),
+                    )
                 )
             return run.plain
         if native is not None:
@@ -319,7 +332,7 @@ class Graph:
                         for slot, is_ptr in entry.slots[b]:
                             call_args[slot] = new_handle.ptr if is_ptr else new_handle
             calls.append((entry.fn, tuple(call_args)))
-        return _run_calls, (calls,), accesses, (run, accesses), None
+        return _run_calls, (calls,), accesses, (run, accesses), _transfer_command(run, calls)
 
 
 def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[tuple[int, bool]]:
@@ -339,6 +352,17 @@ def _swapped(buf: Buffer, swap: dict[int, Buffer]) -> Buffer | None:
         if new_base is not None:
             new = swap[id(buf)] = new_base.view(buf.size, buf.dtype, buf.offset)
     return new
+
+
+def _transfer_command(
+    run: _Run, calls: list[tuple[Callable[..., object], tuple[Any, ...]]]
+) -> _Command | None:
+    """A transfer run as a native command (``(fn, nargs, block, keep)``), or None."""
+    if run.transfer is None:
+        return None
+    dest, src, nbytes, _ = calls[0][1]
+    call = run.transfer._native_transfer(dest, src, nbytes)
+    return None if call is None else (call[0], call[1], call[2], (call[3], dest, src))
 
 
 def _run_calls(calls: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:

@@ -74,6 +74,9 @@ class TwoStagePipeline:
         self.iters = iters
         self.depth = depth
         self.slots: list[Slot] = []
+        #: the graph path's outputs: one more than ``depth``, so the one read before a replay
+        #: finished a whole micro-batch earlier (see :meth:`run_graph`)
+        self.outs: list[Buffer] = []
         self.stage1: Program | None = None
         self.stage2: Program | None = None
         self.step: Graph | None = None
@@ -95,13 +98,18 @@ class TwoStagePipeline:
                     y=await Buffer(second, size, dtypes.float32).allocate(),
                 )
             )
+        for _ in range(depth + 1):
+            self.outs.append(await Buffer(second, size, dtypes.float32).allocate())
         return self
 
     async def aclose(self) -> None:
         for slot in self.slots:
             for buf in (slot.x, slot.h, slot.h2, slot.y):
                 await buf.free()
+        for buf in self.outs:
+            await buf.free()
         self.slots = []
+        self.outs = []
 
     def _launch_stage1(self, slot: Slot) -> None:
         assert self.stage1 is not None
@@ -148,30 +156,51 @@ class TwoStagePipeline:
         return outputs
 
     async def capture_step(self) -> Graph:
-        """Capture stage 1, the transfer and stage 2 of slot 0 as a graph whose buffers are
-        named, so one synchronous ``replay`` per micro-batch submits all three for any slot."""
-        slot = self.slots[0]
-        async with Device[self.devices[0]].capture(x=slot.x, h=slot.h, h2=slot.h2, y=slot.y) as step:
+        """Capture stage 1, the transfer, stage 2 and the copy of the result into an output
+        buffer, for slot 0, as a graph whose buffers are named, so one synchronous ``replay``
+        per micro-batch submits all four for any slot and output."""
+        slot, out = self.slots[0], self.outs[0]
+        async with Device[self.devices[0]].capture(x=slot.x, h=slot.h, h2=slot.h2, y=slot.y, out=out) as step:
             self._launch_stage1(slot)
             await slot.h2.copy_from(slot.h)
             self._launch_stage2(slot)
+            await out.copy_from(slot.y)
         self.step = step
         return step
 
     async def run_graph(self, batches: Sequence[FloatArray]) -> list[FloatArray]:
-        """As :meth:`run`, but each micro-batch is one replay of :meth:`capture_step`: the
-        submitting task no longer waits for stage 1 before it moves on."""
+        """As :meth:`run`, but each micro-batch is one replay of :meth:`capture_step`, and the
+        submitting task stays ahead of the devices: it waits only for the copy-in of micro-batch
+        ``i`` (which waits for stage 1 of ``i - depth`` to have read the slot) and for the output
+        of ``i - depth - 1`` (finished a micro-batch ago), never for a stage in progress, so
+        both devices always have the next step queued. Every wait between devices (stage 2
+        after the transfer after stage 1, a slot's reuse after its last reader) is the
+        runtime's, on the devices' workers."""
         step = self.step or await self.capture_step()
         outputs: list[FloatArray] = []
+        outs = self.outs
         for i, batch in enumerate(batches):
-            slot = self.slots[i % self.depth]
-            if i >= self.depth:  # the slot's previous micro-batch: read it before reusing the slot
-                outputs.append(await slot.y.numpy())
+            slot, out = self.slots[i % self.depth], outs[i % len(outs)]
+            if i >= len(outs):  # this output buffer's previous micro-batch: read it before reuse
+                outputs.append(await read(out))
             await slot.x.copyin(batch)
-            step.replay(x=slot.x, h=slot.h, h2=slot.h2, y=slot.y)
-        for done in range(max(len(batches) - self.depth, 0), len(batches)):
-            outputs.append(await self.slots[done % self.depth].y.numpy())
+            step.replay(x=slot.x, h=slot.h, h2=slot.h2, y=slot.y, out=out)
+        for done in range(max(len(batches) - len(outs), 0), len(batches)):
+            outputs.append(await read(outs[done % len(outs)]))
         return outputs
+
+
+async def read(buf: Buffer) -> FloatArray:
+    """A snapshot of ``buf``, waiting only for the commands that write it.
+
+    ``buf.numpy()`` reads on the device's copy queue, in order behind everything submitted there
+    before: in :meth:`TwoStagePipeline.run_graph` that is the next micro-batches' transfers,
+    which wait for their stages, so the read would wait a whole stage. Where the device memory
+    is host memory (CPU), ``as_memoryview()`` waits only for the buffer's own pending writes and
+    the copy here is taken before anything else is submitted. Elsewhere it is a copy anyway.
+    """
+    view = await buf.as_memoryview()
+    return np.frombuffer(view, dtype=np.float32).copy()
 
 
 async def throughput(

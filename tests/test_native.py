@@ -166,6 +166,46 @@ async def test_copies_between_devices_and_host_run_natively_and_in_order(
         await dst.free()
 
 
+async def test_a_graph_spanning_two_devices_replays_without_a_python_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Captured launch on one device, transfer to another, launch there: each run of the replay,
+    the transfer included, and the final join are native commands waiting for each other in C;
+    substituted buffers give the same results as eager execution."""
+    async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other:
+        inc_a = await dev.program("inc", INC)
+        inc_b = await other.program("inc", INC)
+        x, y = await int_buffer(DEV), await int_buffer(OTHER)
+        x2, y2 = await int_buffer(DEV), await int_buffer(OTHER)
+        await x2.copyin(np.array([40], np.int32))
+        async with dev.capture(x=x, y=y) as graph:
+            inc_a(x)
+            await y.copy_from(x)
+            inc_b(y)
+        assert [run.transfer is not None for run in graph._runs] == [False, True, False]
+        python_submits: list[str] = []
+        for d in (dev, other):
+            for queue in d.queues.values():
+                original = queue.submit
+
+                def counting(
+                    *args: object, _orig: object = original, _q: str = queue.timeline.label
+                ) -> object:
+                    python_submits.append(_q)
+                    return _orig(*args)  # type: ignore[operator]
+
+                monkeypatch.setattr(queue, "submit", counting)
+        first = graph.replay()
+        second = graph.replay(x=x2, y=y2)
+        await first
+        await second
+        assert python_submits == []
+        assert (await y.numpy()).tolist() == [2] and (await x.numpy()).tolist() == [1]
+        assert (await y2.numpy()).tolist() == [42] and (await x2.numpy()).tolist() == [41]
+        for buf in (x, y, x2, y2):
+            await buf.free()
+
+
 async def test_a_failed_dependency_on_another_device_fails_the_native_launch_only() -> None:
     """The dependency fails after the dependent was queued (the C worker waited for it): the
     dependent fails naming it, runs nothing, and its own device stays usable."""
