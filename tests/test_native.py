@@ -46,6 +46,36 @@ async def test_cpu_and_null_queues_are_native_and_launches_take_the_c_path() -> 
     await out.free()
 
 
+async def test_the_c_call_path_launches_repeats_and_hands_everything_else_to_python() -> None:
+    """``Program.__call__`` is the extension module's C function: a repeat launch never enters
+    Python; keywords, new buffers and bad arguments take the Python implementation, with its
+    checks and messages; access records nobody else holds are updated in place, others are not
+    touched."""
+    from aiotinyrt.program import Program
+
+    prog = await Device["CPU"].program("inc", INC)
+    assert type(Program.__dict__["__call__"]).__name__ == "method_descriptor"
+    out = await int_buffer("CPU")
+    first = prog(out)  # Python: new buffers
+    second = prog(out)  # C
+    third = prog(out)  # C; the record (the buffer's alone) is updated in place
+    assert out._accesses == [(0, 4, third, True)]
+    held = out._accesses  # now someone else holds the record: it is left as it was
+    fourth = prog(out)
+    assert held == [(0, 4, third, True)] and out._accesses == [(0, 4, fourth, True)]
+    fifth = prog(out, wait_for=[fourth])  # a keyword: the Python implementation
+    with pytest.raises(TypeError, match="takes 1 buffers, got 2"):
+        prog(out, out)
+    with pytest.raises(TypeError):
+        prog(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        prog(out, bogus=1)  # type: ignore[call-arg]
+    await fifth
+    assert all(s.done() and not s.failed() for s in (first, second, third, fourth))
+    assert (await out.numpy()).tolist() == [5]
+    await out.free()
+
+
 async def test_thousands_of_launches_across_ring_chunks_with_python_commands_between_stay_in_order() -> None:
     """Native launches, launches made Python commands by a dependency, and copies on the other
     queue interleave over several ring chunks; every increment lands, in order."""
