@@ -485,7 +485,8 @@ static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeline, PyObject *queue) {
+static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeline, PyObject *queue,
+                             hq_t *q) {
     PyObject *entry = PyDict_GetItemWithError(by_bufs, bufs);  /* borrowed */
     if (!entry) {
         PyErr_Clear();  /* not cached, or unhashable arguments: Python decides */
@@ -518,10 +519,12 @@ static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeli
         Py_DECREF(held);
         Py_RETURN_NONE;  /* a new entry to hold: Python's _hold */
     }
-    PyObject *caddr = PyObject_GetAttr(queue, s_caddr);
-    if (!caddr) { Py_DECREF(held); return NULL; }
-    hq_t *q = (hq_t *)PyLong_AsVoidPtr(caddr);
-    Py_DECREF(caddr);
+    if (!q) {
+        PyObject *caddr = PyObject_GetAttr(queue, s_caddr);
+        if (!caddr) { Py_DECREF(held); return NULL; }
+        q = (hq_t *)PyLong_AsVoidPtr(caddr);
+        Py_DECREF(caddr);
+    }
     void *fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
     long nargs = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
     void *block = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2));
@@ -592,15 +595,15 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) 
         PyErr_SetString(PyExc_TypeError, "launch(bufs, by_bufs, timeline, queue) after configure()");
         return NULL;
     }
-    return launch_impl(args[0], args[1], args[2], args[3]);
+    return launch_impl(args[0], args[1], args[2], args[3], NULL);
 }
 
 /* Program.__call__ in C: install(Program, call_py, capturing) puts a method descriptor for
    prog_call on the class. A call without keywords, outside a capture, of a program whose `_fast`
-   is set goes straight to launch_impl; anything else (and a launch_impl that declines) calls
-   `call_py(self, *args, **kwargs)`, the Python implementation, unchanged. This saves the Python
-   frame of __call__ on every repeat launch. */
-static PyObject *call_py, *capturing_var, *s_fast, *s_by_bufs;
+   is set ((queue, timeline, by_bufs, queue address)) goes straight to launch_impl; anything
+   else (and a launch_impl that declines) calls `call_py(self, *args, **kwargs)`, the Python
+   implementation, unchanged. This saves the Python frame of __call__ on every repeat launch. */
+static PyObject *call_py, *capturing_var, *s_fast;
 
 static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -610,19 +613,20 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         int idle = capturing == NULL || capturing == Py_None;
         Py_XDECREF(capturing);
         PyObject *fast = idle ? PyObject_GetAttr(self, s_fast) : NULL;
-        if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 2) {
-            PyObject *by_bufs = PyObject_GetAttr(self, s_by_bufs);
-            PyObject *bufs = by_bufs && PyDict_CheckExact(by_bufs) ? PyTuple_New(nargs) : NULL;
+        if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 4 &&
+            PyDict_CheckExact(PyTuple_GET_ITEM(fast, 2))) {
+            hq_t *q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
+            PyObject *bufs = q ? PyTuple_New(nargs) : NULL;
             PyObject *sig = NULL;
             if (bufs) {
                 for (Py_ssize_t i = 0; i < nargs; i++) {
                     Py_INCREF(args[i]);
                     PyTuple_SET_ITEM(bufs, i, args[i]);
                 }
-                sig = launch_impl(bufs, by_bufs, PyTuple_GET_ITEM(fast, 1), PyTuple_GET_ITEM(fast, 0));
+                sig = launch_impl(bufs, PyTuple_GET_ITEM(fast, 2), PyTuple_GET_ITEM(fast, 1),
+                                  PyTuple_GET_ITEM(fast, 0), q);
             }
             Py_XDECREF(bufs);
-            Py_XDECREF(by_bufs);
             Py_DECREF(fast);
             if (sig == NULL) {
                 if (PyErr_Occurred()) return NULL;
@@ -658,11 +662,7 @@ static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n)
         PyErr_SetString(PyExc_TypeError, "install(Program, call_py, capturing)");
         return NULL;
     }
-    if (!s_fast) {
-        s_fast = PyUnicode_InternFromString("_fast");
-        s_by_bufs = PyUnicode_InternFromString("_by_bufs");
-        if (!s_fast || !s_by_bufs) return NULL;
-    }
+    if (!s_fast && !(s_fast = PyUnicode_InternFromString("_fast"))) return NULL;
     Py_INCREF(args[1]); Py_XDECREF(call_py); call_py = args[1];
     Py_INCREF(args[2]); Py_XDECREF(capturing_var); capturing_var = args[2];
     PyObject *descr = PyDescr_NewMethod((PyTypeObject *)args[0], &call_def);

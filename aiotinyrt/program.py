@@ -901,8 +901,9 @@ class Program:
         self._by_bufs: dict[tuple[Buffer, ...], Any] = {}  # the fast path of __call__
         queue: HostQueue | None = getattr(device, "_compute_queue", None)
         native_raw = queue is not None and queue.native and kernel is None
-        self._fast: tuple[HostQueue, Timeline] | None = (
-            (queue, queue.timeline) if queue is not None and native_raw else None
+        #: the repeat launch's state: (queue, timeline, _by_bufs, the queue's C address)
+        self._fast: tuple[HostQueue, Timeline, dict[tuple[Buffer, ...], Any], int] | None = (
+            (queue, queue.timeline, self._by_bufs, queue._caddr) if queue is not None and native_raw else None
         )
         self._c_launch = native.launcher(Signal, _buffer_type()) if native_raw else None
         if self._c_launch is not None and Program.__dict__["__call__"] is Program._call_py:
@@ -977,7 +978,7 @@ class Program:
             # The common launch, again: same buffers as an earlier native launch, each still
             # holding the memory it had then, each last touched by this queue only. In C when
             # the extension module is there (native.py's launch()), else the same in Python.
-            queue, timeline = fast
+            queue, timeline = fast[0], fast[1]
             c_launch = self._c_launch
             if c_launch is not None:
                 sig = c_launch(bufs, self._by_bufs, timeline, queue)
