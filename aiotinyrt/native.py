@@ -247,7 +247,10 @@ static void notify_remote(hq_t *q) {
 
 /* `completed` from Python (commands run by the Python worker, waiters' advances). */
 void hq_complete(hq_t *q, int64_t value) {
-    STORE(&q->completed, value);
+    int64_t old = LOAD(&q->completed);
+    while (old < value && !__atomic_compare_exchange_n(&q->completed, &old, value, 0, __ATOMIC_SEQ_CST,
+                                                        __ATOMIC_SEQ_CST)) {
+    }
     notify_remote(q);
 }
 
@@ -347,6 +350,7 @@ static hq_slot *next_slot(hq_t *q) {
 void hq_next(hq_t *q) {
     q->rpos++;
     q->expected++;
+    q->deps_ok = 0;  /* the check Python made was for the command just passed */
 }
 
 
@@ -391,7 +395,8 @@ int hq_run(hq_t *q) {
         q->elapsed[v & ELAPSED_MASK] = now() - t0;
         wlock(q);
         if (v >= LOAD(&q->wake_at)) { wunlock(q); return R_WAKE; }
-        STORE(&q->completed, v);
+        /* never backwards: a worker abandoned by stop() may finish after stop advanced past it */
+        if (v > LOAD(&q->completed)) STORE(&q->completed, v);
         wunlock(q);
         notify_remote(q);
         hq_next(q);
@@ -549,6 +554,8 @@ static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeli
     for (Py_ssize_t i = 0; i < nb; i++) {
         PyObject *b = PyTuple_GET_ITEM(bufs, i);
         PyObject *nbytes = SLOT(b, off_nbytes);
+#if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+        /* (3.14 caches tuple hashes; free-threaded builds cannot prove a reference is unique) */
         PyObject *acc = SLOT(b, off_accesses);
         if (acc && PyList_CheckExact(acc) && Py_REFCNT(acc) == 1 && PyList_GET_SIZE(acc) == 1) {
             /* the record of the previous launch, [(0, nbytes, sig, True)], referenced only by
@@ -565,6 +572,7 @@ static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeli
                 continue;
             }
         }
+#endif
         PyObject *a = PyTuple_Pack(4, zero, nbytes ? nbytes : zero, sig, Py_True);
         PyObject *list = a ? PyList_New(1) : NULL;
         if (!list) { Py_XDECREF(a); Py_DECREF(sig); return NULL; }

@@ -271,7 +271,8 @@ class Timeline:
                 if not due:
                     complete = self._complete
                     if complete is None:
-                        self._c.completed = value
+                        if value > self._c.completed:  # never backwards (see stop())
+                            self._c.completed = value
                     else:  # also wakes other queues' workers waiting for it (no GIL release)
                         complete(self._caddr, value)
                     break
@@ -512,6 +513,7 @@ class HostQueue:
         # the dependencies ``(timeline, value)`` of queued native commands that have some, by
         # value (see R_DEPS); no Signals, so nothing keeps them alive
         self._dep_sigs: dict[int, tuple[tuple[Timeline, int], ...]] = {}
+        self._dep_lock = threading.Lock()  # a push with dependencies and its entry above, as one
         self._commands: deque[Signal] = deque()  # queued Python commands travel as their signals
         self._values = itertools.count(1)
         self._start_lock = threading.Lock()
@@ -558,11 +560,10 @@ class HostQueue:
         or None when one cannot be waited for in C: it already failed, or its queue is not
         native. The Python path then runs the command (and names the failure)."""
         out: list[Signal] = []
-        own = self.timeline
         for dep in deps:
             timeline = dep.timeline
-            if timeline is own:  # an earlier command of this queue: done by then
-                continue
+            # (one of this queue's own commands stays a dependency too: done by the time this one
+            # runs, but the worker must still see whether it failed)
             if dep._error is not None or timeline._lib is None:
                 return None
             if timeline.completed < dep.value:
@@ -585,9 +586,11 @@ class HostQueue:
             ffi = native.ffi
             pairs = ffi.new("int64_t[]", [x for dep in deps for x in (dep.timeline._caddr, dep.value)])
             address = int(ffi.cast("uintptr_t", pairs))
-            value = self._push_deps(self._caddr, native.K_NATIVE, fn, nargs, block, len(deps), address)
+            on = tuple((dep.timeline, dep.value) for dep in deps)
             waiting = self._dep_sigs
-            on = waiting[value] = tuple((dep.timeline, dep.value) for dep in deps)
+            with self._dep_lock:  # the worker's R_DEPS look-up must find the entry
+                value = self._push_deps(self._caddr, native.K_NATIVE, fn, nargs, block, len(deps), address)
+                waiting[value] = on
             if len(waiting) > 64:  # forget those that ran (R_DEPS pops only suspects)
                 completed = self._c.completed
                 for done in [v for v in list(waiting) if v <= completed]:
@@ -757,7 +760,9 @@ class HostQueue:
                 if sig._error is not None:  # on the timeline too: native dependents look there
                     timeline._record_failure(value, value, sig._error)
             elif code == native.R_DEPS:  # a dependency's queue has failures: look at its outcome
-                for other, at in self._dep_sigs.pop(value, ()):
+                with self._dep_lock:
+                    on = self._dep_sigs.pop(value, ())
+                for other, at in on:
                     error = other.failure_at(at)
                     if error is not None:
                         failed = _dependency_failed(device.name, other.label, at, error)

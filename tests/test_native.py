@@ -245,11 +245,14 @@ async def test_a_failed_dependency_on_another_device_fails_the_native_launch_onl
         gate.launch(await int_buffer(DEV), 1)
         fault = inject_failure(dev)
         dependent = inc(out, wait_for=[fault])
-        assert not other.queues["compute"]._commands  # queued as a native command
+        chained = inc(out, wait_for=[dependent])  # on its own queue: it must see the failure too
+        assert not other.queues["compute"]._commands  # both queued as native commands
         gate.open()
         with pytest.raises(DeviceError, match="depends on failed"):
             await dependent
-        assert dependent.failed()
+        with pytest.raises(DeviceError, match="depends on failed"):
+            await chained
+        assert dependent.failed() and chained.failed()
         await inc(out)  # CPU:9 is not poisoned
         assert (await out.numpy()).tolist() == [1]
         await dev.reset()
