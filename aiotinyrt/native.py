@@ -434,13 +434,14 @@ static PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t n) {
 
 /* launch(bufs, by_bufs, timeline, queue): the repeat launch of Program.__call__, in C.
    Handles exactly the case the Python fast path handles (same base buffers as an earlier native
-   launch, each holding the same memory, each last touched by this queue only, the queue's
-   newest held entry being this one) and returns its Signal; returns None for anything else,
-   having changed nothing, and Python takes over. Slots are read and written through the
+   launch, each holding the same memory, each last touched by this queue only) and returns its
+   Signal, having extended the queue's newest held entry or, when that is another one (launches
+   alternating between slots or vals), held this one through queue._hold(); returns None for
+   anything else, having changed nothing, and Python takes over. Slots are read and written through the
    offsets of the classes' member descriptors (configure() finds them). */
 static PyTypeObject *sig_type, *buf_type;
 static Py_ssize_t off_timeline, off_value, off_error, off_elapsed, off_handle, off_accesses, off_nbytes;
-static PyObject *s_stopping, *s_last_held, *s_caddr, *zero;
+static PyObject *s_stopping, *s_last_held, *s_caddr, *s_hold, *zero;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -484,15 +485,16 @@ static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t 
         s_stopping = PyUnicode_InternFromString("_stopping");
         s_last_held = PyUnicode_InternFromString("_last_held");
         s_caddr = PyUnicode_InternFromString("_caddr");
+        s_hold = PyUnicode_InternFromString("_hold");
         zero = PyLong_FromLong(0);
-        if (!s_stopping || !s_last_held || !s_caddr || !zero) return NULL;
+        if (!s_stopping || !s_last_held || !s_caddr || !s_hold || !zero) return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeline, PyObject *queue,
-                             hq_t *q) {
-    PyObject *entry = PyDict_GetItemWithError(by_bufs, bufs);  /* borrowed */
+static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, PyObject *timeline,
+                             PyObject *queue, hq_t *q) {
+    PyObject *entry = PyDict_GetItemWithError(by_bufs, key);  /* borrowed */
     if (!entry) {
         PyErr_Clear();  /* not cached, or unhashable arguments: Python decides */
         Py_RETURN_NONE;
@@ -521,29 +523,36 @@ static PyObject *launch_impl(PyObject *bufs, PyObject *by_bufs, PyObject *timeli
     PyObject *held = PyObject_GetAttr(queue, s_last_held);
     if (!held) return NULL;
     if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != 2 || PyList_GET_ITEM(held, 1) != entry) {
-        Py_DECREF(held);
-        Py_RETURN_NONE;  /* a new entry to hold: Python's _hold */
+        Py_DECREF(held);  /* another entry is the newest held: queue._hold() after the push */
+        held = NULL;
     }
     if (!q) {
         PyObject *caddr = PyObject_GetAttr(queue, s_caddr);
-        if (!caddr) { Py_DECREF(held); return NULL; }
+        if (!caddr) { Py_XDECREF(held); return NULL; }
         q = (hq_t *)PyLong_AsVoidPtr(caddr);
         Py_DECREF(caddr);
     }
     void *fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
     long nargs = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
     void *block = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2));
-    if (PyErr_Occurred() || !q) { Py_DECREF(held); return NULL; }
+    if (PyErr_Occurred() || !q) { Py_XDECREF(held); return NULL; }
     PyObject *sig = sig_type->tp_alloc(sig_type, 0);
-    if (!sig) { Py_DECREF(held); return NULL; }
+    if (!sig) { Py_XDECREF(held); return NULL; }
     int64_t v = hq_push(q, K_NATIVE, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
-    if (v < 0) { Py_DECREF(held); Py_DECREF(sig); return PyErr_NoMemory(); }
-    /* from here on the command is queued: record it even if an allocation below fails */
+    if (v < 0) { Py_XDECREF(held); Py_DECREF(sig); return PyErr_NoMemory(); }
+    /* from here on the command is queued: record it even if an allocation below fails (the
+       program's entry cache keeps the entry alive meanwhile) */
     PyObject *value = PyLong_FromLongLong(v);
-    if (!value) { Py_DECREF(held); Py_DECREF(sig); return NULL; }
-    Py_INCREF(value);
-    PyList_SetItem(held, 0, value);  /* steals one reference */
-    Py_DECREF(held);
+    if (!value) { Py_XDECREF(held); Py_DECREF(sig); return NULL; }
+    if (held) {  /* the newest held entry is this one: extend it to this value */
+        Py_INCREF(value);
+        PyList_SetItem(held, 0, value);  /* steals one reference */
+        Py_DECREF(held);
+    } else {  /* alternating entries (slots, vals): hold this one from this value */
+        PyObject *r = PyObject_CallMethodObjArgs(queue, s_hold, value, entry, NULL);
+        if (!r) { Py_DECREF(value); Py_DECREF(sig); return NULL; }
+        Py_DECREF(r);
+    }
     Py_INCREF(timeline);
     set_slot(sig, off_timeline, timeline);
     set_slot(sig, off_value, value);
@@ -603,19 +612,31 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) 
         PyErr_SetString(PyExc_TypeError, "launch(bufs, by_bufs, timeline, queue) after configure()");
         return NULL;
     }
-    return launch_impl(args[0], args[1], args[2], args[3], NULL);
+    return launch_impl(args[0], args[0], args[1], args[2], args[3], NULL);
 }
 
 /* Program.__call__ in C: install(Program, call_py, capturing) puts a method descriptor for
-   prog_call on the class. A call without keywords, outside a capture, of a program whose `_fast`
+   prog_call on the class. A call without keywords (or with `vals=` alone), outside a capture, of
+   a program whose `_fast`
    is set ((queue, timeline, by_bufs, queue address)) goes straight to launch_impl; anything
    else (and a launch_impl that declines) calls `call_py(self, *args, **kwargs)`, the Python
    implementation, unchanged. This saves the Python frame of __call__ on every repeat launch. */
-static PyObject *call_py, *capturing_var, *s_fast;
+static PyObject *call_py, *capturing_var, *s_fast, *s_vals;
+
+/* `vals=` alone, as a tuple of exact ints (bool and float never match a cached entry whose ints
+   compare equal: the Python path refuses them), is part of the repeat launch's key. */
+static int plain_vals(PyObject *kwnames, PyObject *value) {
+    PyObject *name = PyTuple_GET_ITEM(kwnames, 0);
+    if (name != s_vals && PyUnicode_Compare(name, s_vals) != 0) return 0;
+    if (!PyTuple_CheckExact(value)) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(value, i))) return 0;
+    return 1;
+}
 
 static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nkw == 0 && nargs > 0) {
+    if (nargs > 0 && (nkw == 0 || (nkw == 1 && plain_vals(kwnames, args[nargs])))) {
         PyObject *capturing = NULL;
         if (PyContextVar_Get(capturing_var, NULL, &capturing) < 0) return NULL;
         int idle = capturing == NULL || capturing == Py_None;
@@ -626,14 +647,19 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
             hq_t *q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
             PyObject *bufs = q ? PyTuple_New(nargs) : NULL;
             PyObject *sig = NULL;
+            PyObject *key = NULL;
             if (bufs) {
                 for (Py_ssize_t i = 0; i < nargs; i++) {
                     Py_INCREF(args[i]);
                     PyTuple_SET_ITEM(bufs, i, args[i]);
                 }
-                sig = launch_impl(bufs, PyTuple_GET_ITEM(fast, 2), PyTuple_GET_ITEM(fast, 1),
+                key = nkw ? PyTuple_Pack(2, bufs, args[nargs]) : (Py_INCREF(bufs), bufs);
+            }
+            if (key) {
+                sig = launch_impl(key, bufs, PyTuple_GET_ITEM(fast, 2), PyTuple_GET_ITEM(fast, 1),
                                   PyTuple_GET_ITEM(fast, 0), q);
             }
+            Py_XDECREF(key);
             Py_XDECREF(bufs);
             Py_DECREF(fast);
             if (sig == NULL) {
@@ -671,6 +697,7 @@ static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n)
         return NULL;
     }
     if (!s_fast && !(s_fast = PyUnicode_InternFromString("_fast"))) return NULL;
+    if (!s_vals && !(s_vals = PyUnicode_InternFromString("vals"))) return NULL;
     Py_INCREF(args[1]); Py_XDECREF(call_py); call_py = args[1];
     Py_INCREF(args[2]); Py_XDECREF(capturing_var); capturing_var = args[2];
     PyObject *descr = PyDescr_NewMethod((PyTypeObject *)args[0], &call_def);

@@ -1006,12 +1006,35 @@ class Program:
                         b._accesses = [(0, b.nbytes, sig, True)]
                     return sig
             sig = self._call(bufs, global_size, local_size, vals, wait_for, writes)
-            if all(type(b) is _buffer_type() and b._base is None for b in bufs) and sig.timeline is fast[1]:
-                entry = self._native_entry([b._handle for b in bufs], _UNIT_SIZE, ())
-                if entry is not None:
-                    self._by_bufs[bufs] = entry
+            self._remember(bufs, (), bufs, sig)
             return sig
-        return self._call(bufs, global_size, local_size, vals, wait_for, writes)
+        sig = self._call(bufs, global_size, local_size, vals, wait_for, writes)
+        if (
+            fast is not None
+            and self._c_launch is not None
+            and type(vals) is tuple
+            and global_size is _UNIT_SIZE
+            and local_size is None
+            and not wait_for
+            and writes is None
+            and all(type(v) is int for v in vals)
+            and _capturing.get() is None
+        ):  # the C call path also repeats launches that pass only vals (exact ints, as here)
+            self._remember(bufs, vals, (bufs, vals), sig)
+        return sig
+
+    def _remember(self, bufs: tuple[Buffer, ...], vals: tuple[int, ...], key: Any, sig: Signal) -> None:
+        """Cache the native entry of a launch just made on the normal path under ``key``, for
+        the repeat launch: only whole buffers, and only if it went to this program's queue."""
+        fast = self._fast
+        if (
+            fast is not None
+            and all(type(b) is _buffer_type() and b._base is None for b in bufs)
+            and sig.timeline is fast[1]
+        ):
+            entry = self._native_entry([b._handle for b in bufs], _UNIT_SIZE, vals)
+            if entry is not None:
+                self._by_bufs[key] = entry
 
     #: With the extension module, replaced by a C function that runs the repeat launch (as the
     #: fast path above does) and calls ``_call_py`` for everything else.

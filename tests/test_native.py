@@ -76,6 +76,40 @@ async def test_the_c_call_path_launches_repeats_and_hands_everything_else_to_pyt
     await out.free()
 
 
+ADD = "void add(int* restrict out, int v) { out[0] += v; }"
+
+
+async def test_launches_passing_only_vals_repeat_in_c_and_bad_vals_are_still_refused() -> None:
+    """``prog(buf, vals=(3,))`` again takes the C path (its entry is cached under the buffers and
+    the vals); vals that only compare equal to cached ones (floats, bools) or are not a tuple go
+    to the Python implementation, which refuses or accepts them as before."""
+    prog = await Device["CPU"].program("add", ADD)
+    out = await int_buffer("CPU")
+    sigs = [prog(out, vals=(3,)) for _ in range(5)]
+    sigs.append(prog(out, vals=(4,)))
+    sigs.append(prog(out, vals=[1]))  # a list: accepted by the Python path, never cached
+    assert ((out,), (3,)) in prog._by_bufs and ((out,), (4,)) in prog._by_bufs
+    slow: list[object] = []
+    python_call = prog._call
+    prog._call = lambda *a: slow.append(a) or python_call(*a)  # type: ignore[method-assign]
+    for _ in range(3):  # the C path, alternating entries too: the Python one is not entered
+        sigs += [prog(out, vals=(3,)), prog(out, vals=(4,))]
+    assert slow == []
+    del prog._call
+    with pytest.raises(TypeError, match="vals must be ints"):
+        prog(out, vals=(3.0,))
+    with pytest.raises(TypeError, match="vals must be ints"):
+        prog(out, vals=(True,))
+    with pytest.raises(ValueError, match="32-bit"):
+        prog(out, vals=(2**40,))
+    with pytest.raises(TypeError, match="takes 1 int vals"):
+        prog(out, vals=(3, 3))
+    await sigs[-1]
+    assert all(s.done() and not s.failed() for s in sigs)
+    assert (await out.numpy()).tolist() == [8 * 3 + 4 * 4 + 1]
+    await out.free()
+
+
 async def test_thousands_of_launches_across_ring_chunks_with_python_commands_between_stay_in_order() -> None:
     """Native launches, launches made Python commands by a dependency, and copies on the other
     queue interleave over several ring chunks; every increment lands, in order."""
