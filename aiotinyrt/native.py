@@ -520,47 +520,43 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
     int stop = stopping != Py_False;
     Py_DECREF(stopping);
     if (stop) Py_RETURN_NONE;
-    PyObject *held = PyObject_GetAttr(queue, s_last_held);
-    if (!held) return NULL;
-    if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != 2 || PyList_GET_ITEM(held, 1) != entry) {
-        Py_DECREF(held);  /* another entry is the newest held: queue._hold() after the push */
-        held = NULL;
-    }
     if (!q) {
         PyObject *caddr = PyObject_GetAttr(queue, s_caddr);
-        if (!caddr) { Py_XDECREF(held); return NULL; }
+        if (!caddr) return NULL;
         q = (hq_t *)PyLong_AsVoidPtr(caddr);
         Py_DECREF(caddr);
     }
     void *fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
     long nargs = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
     void *block = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2));
-    if (PyErr_Occurred() || !q) { Py_XDECREF(held); return NULL; }
+    if (PyErr_Occurred() || !q) return NULL;
+    /* From here on Python code may run (a collection during an allocation, queue._hold()):
+       own the entry (it holds the argument block) and allocate before looking at the hold list. */
+    Py_INCREF(entry);
     PyObject *sig = sig_type->tp_alloc(sig_type, 0);
-    if (!sig) { Py_XDECREF(held); return NULL; }
-    int64_t v = hq_push(q, K_NATIVE, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
-    if (v < 0) { Py_XDECREF(held); Py_DECREF(sig); return PyErr_NoMemory(); }
-    /* from here on the command is queued: record it even if an allocation below fails (the
-       program's entry cache keeps the entry alive meanwhile) */
-    PyObject *value = PyLong_FromLongLong(v);
-    if (!value) { Py_XDECREF(held); Py_DECREF(sig); return NULL; }
-    if (held) {  /* the newest held entry is this one: extend it to this value */
-        Py_INCREF(value);
-        PyList_SetItem(held, 0, value);  /* steals one reference */
-        Py_DECREF(held);
-    } else {  /* alternating entries (slots, vals): hold this one from this value */
-        PyObject *r = PyObject_CallMethodObjArgs(queue, s_hold, value, entry, NULL);
-        if (!r) { Py_DECREF(value); Py_DECREF(sig); return NULL; }
-        Py_DECREF(r);
+    PyObject *held = sig ? PyObject_GetAttr(queue, s_last_held) : NULL;
+    if (!held) { Py_XDECREF(sig); Py_DECREF(entry); return NULL; }
+    if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != 2 || PyList_GET_ITEM(held, 1) != entry) {
+        Py_DECREF(held);  /* another entry is the newest held: queue._hold() after the push */
+        held = NULL;
     }
-    Py_INCREF(timeline);
-    set_slot(sig, off_timeline, timeline);
-    set_slot(sig, off_value, value);
-    Py_INCREF(Py_None);
-    set_slot(sig, off_error, Py_None);
-    Py_INCREF(Py_None);
-    set_slot(sig, off_elapsed, Py_None);
-    for (Py_ssize_t i = 0; i < nb; i++) {
+    int64_t v = hq_push(q, K_NATIVE, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
+    if (v < 0) { Py_XDECREF(held); Py_DECREF(sig); Py_DECREF(entry); return PyErr_NoMemory(); }
+    /* The command is queued: fill in the signal and the access records first (so a failure
+       below still leaves later work ordered after it), then hold the entry until it ran. */
+    PyObject *value = PyLong_FromLongLong(v);
+    int failed = value == NULL;
+    if (!failed) {
+        Py_INCREF(timeline);
+        set_slot(sig, off_timeline, timeline);
+        Py_INCREF(value);
+        set_slot(sig, off_value, value);
+        Py_INCREF(Py_None);
+        set_slot(sig, off_error, Py_None);
+        Py_INCREF(Py_None);
+        set_slot(sig, off_elapsed, Py_None);
+    }
+    for (Py_ssize_t i = 0; !failed && i < nb; i++) {
         PyObject *b = PyTuple_GET_ITEM(bufs, i);
         PyObject *nbytes = SLOT(b, off_nbytes);
 #if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
@@ -584,10 +580,45 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
 #endif
         PyObject *a = PyTuple_Pack(4, zero, nbytes ? nbytes : zero, sig, Py_True);
         PyObject *list = a ? PyList_New(1) : NULL;
-        if (!list) { Py_XDECREF(a); Py_DECREF(sig); return NULL; }
+        if (!list) { Py_XDECREF(a); failed = 1; break; }
         PyList_SET_ITEM(list, 0, a);
         set_slot(b, off_accesses, list);
     }
+    if (held && value) {  /* the newest held entry is this one: extend it to this value */
+        Py_INCREF(value);
+        PyList_SetItem(held, 0, value);  /* steals one reference */
+    } else if (value) {  /* alternating entries (slots, vals): hold this one from this value */
+        PyObject *r = PyObject_CallMethodObjArgs(queue, s_hold, value, entry, NULL);
+        if (r) Py_DECREF(r); else failed = 1;
+    }
+    if (failed) {
+        /* (an allocation failed, or an exception such as KeyboardInterrupt arrived in _hold):
+           the command runs anyway, so keep its entry alive without running Python code, then
+           raise. The hold list is a deque: append() is C. */
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyObject *at = value ? (Py_INCREF(value), value) : PyLong_FromLongLong(v);
+        PyObject *pair = at ? PyList_New(2) : NULL;
+        if (pair) {
+            PyList_SET_ITEM(pair, 0, at);  /* steals `at` */
+            Py_INCREF(entry);
+            PyList_SET_ITEM(pair, 1, entry);
+        } else {
+            Py_XDECREF(at);
+        }
+        PyObject *hold = pair ? PyObject_GetAttrString(queue, "_held") : NULL;
+        PyObject *r = hold ? PyObject_CallMethod(hold, "append", "O", pair) : NULL;
+        Py_XDECREF(r);
+        Py_XDECREF(hold);
+        Py_XDECREF(pair);
+        PyErr_Clear();
+        PyErr_Restore(type, exc, tb);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+    }
+    Py_XDECREF(value);
+    Py_XDECREF(held);
+    Py_DECREF(entry);
+    if (failed) { Py_DECREF(sig); return NULL; }
     return sig;
 }
 
@@ -621,10 +652,11 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) 
    is set ((queue, timeline, by_bufs, queue address)) goes straight to launch_impl; anything
    else (and a launch_impl that declines) calls `call_py(self, *args, **kwargs)`, the Python
    implementation, unchanged. This saves the Python frame of __call__ on every repeat launch. */
-static PyObject *call_py, *capturing_var, *s_fast, *s_vals;
+static PyObject *call_py, *capturing_var, *vals_key, *s_fast, *s_vals;
 
 /* `vals=` alone, as a tuple of exact ints (bool and float never match a cached entry whose ints
-   compare equal: the Python path refuses them), is part of the repeat launch's key. */
+   compare equal: the Python path refuses them), is part of the repeat launch's key:
+   (vals_key, bufs, vals), vals_key being a private object no argument list can equal. */
 static int plain_vals(PyObject *kwnames, PyObject *value) {
     PyObject *name = PyTuple_GET_ITEM(kwnames, 0);
     if (name != s_vals && PyUnicode_Compare(name, s_vals) != 0) return 0;
@@ -653,7 +685,7 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
                     Py_INCREF(args[i]);
                     PyTuple_SET_ITEM(bufs, i, args[i]);
                 }
-                key = nkw ? PyTuple_Pack(2, bufs, args[nargs]) : (Py_INCREF(bufs), bufs);
+                key = nkw ? PyTuple_Pack(3, vals_key, bufs, args[nargs]) : (Py_INCREF(bufs), bufs);
             }
             if (key) {
                 sig = launch_impl(key, bufs, PyTuple_GET_ITEM(fast, 2), PyTuple_GET_ITEM(fast, 1),
@@ -691,15 +723,16 @@ static PyMethodDef call_def = {
 
 static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
-    if (n != 3 || !PyType_Check(args[0]) || !PyCallable_Check(args[1]) ||
+    if (n != 4 || !PyType_Check(args[0]) || !PyCallable_Check(args[1]) ||
         !PyContextVar_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "install(Program, call_py, capturing)");
+        PyErr_SetString(PyExc_TypeError, "install(Program, call_py, capturing, vals_key)");
         return NULL;
     }
     if (!s_fast && !(s_fast = PyUnicode_InternFromString("_fast"))) return NULL;
     if (!s_vals && !(s_vals = PyUnicode_InternFromString("vals"))) return NULL;
     Py_INCREF(args[1]); Py_XDECREF(call_py); call_py = args[1];
     Py_INCREF(args[2]); Py_XDECREF(capturing_var); capturing_var = args[2];
+    Py_INCREF(args[3]); Py_XDECREF(vals_key); vals_key = args[3];
     PyObject *descr = PyDescr_NewMethod((PyTypeObject *)args[0], &call_def);
     if (!descr) return NULL;
     int rc = PyObject_SetAttrString(args[0], "__call__", descr);
@@ -711,7 +744,7 @@ static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n)
 static PyMethodDef hq_methods[] = {
     {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(q, kind, fn, n, args[, nd, deps])"},
     {"complete", (PyCFunction)(void (*)(void))py_complete, METH_FASTCALL, "complete(queue, value)"},
-    {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, "install(Program, call_py, var)"},
+    {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, "install(Program, call, var, key)"},
     {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "configure(Signal, Buffer)"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(bufs, by_bufs, timeline, q)"},
     {NULL, NULL, 0, NULL},
@@ -887,7 +920,7 @@ def launcher(signal_type: type, buffer_type: type) -> Callable[..., Any] | None:
     return module.launch  # type: ignore[no-any-return]
 
 
-def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any) -> bool:
+def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any, vals_key: object) -> bool:
     """Make ``program_type.__call__`` the extension module's C function, which runs the repeat
     launch itself and hands every other call to ``call_py`` unchanged; False (nothing done)
     without the extension module. Idempotent."""
@@ -897,7 +930,7 @@ def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any
     with _lock:
         if program_type.__dict__.get("__call__") is not call_py:
             return True  # installed already
-        built[1].install(program_type, call_py, capturing)
+        built[1].install(program_type, call_py, capturing, vals_key)
     return True
 
 

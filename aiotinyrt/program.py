@@ -477,6 +477,9 @@ def when_all_done(signals: Sequence[Signal], fn: Callable[[], None], *, after: b
 
 
 _SPINS = 64
+#: The first item of the repeat-launch cache keys of launches passing vals: no argument list
+#: (``prog(*bufs)``'s key is the buffers themselves) can be equal to such a key.
+_VALS_KEY = object()
 _yield_gil = time.sleep
 _new_object = object.__new__
 
@@ -903,17 +906,18 @@ class Program:
             if signature is not None:
                 self.buf_count, self.val_count = signature
         self._entries: dict[tuple[Any, ...], Any] = {}  # native queue: see _native_entry
-        self._by_bufs: dict[tuple[Buffer, ...], Any] = {}  # the fast path of __call__
+        # the fast path of __call__: buffers -> entry, and (_VALS_KEY, buffers, vals) -> entry
+        self._by_bufs: dict[tuple[Any, ...], Any] = {}
         queue: HostQueue | None = getattr(device, "_compute_queue", None)
         native_raw = queue is not None and queue.native and kernel is None
         #: the repeat launch's state: (queue, timeline, _by_bufs, the queue's C address)
-        self._fast: tuple[HostQueue, Timeline, dict[tuple[Buffer, ...], Any], int] | None = (
+        self._fast: tuple[HostQueue, Timeline, dict[tuple[Any, ...], Any], int] | None = (
             (queue, queue.timeline, self._by_bufs, queue._caddr) if queue is not None and native_raw else None
         )
         self._c_launch = native.launcher(Signal, _buffer_type()) if native_raw else None
         if self._c_launch is not None and Program.__dict__["__call__"] is Program._call_py:
             # the repeat launch skips this method's Python frame: see native.install_call
-            native.install_call(Program, Program._call_py, _capturing)
+            native.install_call(Program, Program._call_py, _capturing, _VALS_KEY)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} on {self.device.name}>"
@@ -1020,7 +1024,7 @@ class Program:
             and all(type(v) is int for v in vals)
             and _capturing.get() is None
         ):  # the C call path also repeats launches that pass only vals (exact ints, as here)
-            self._remember(bufs, vals, (bufs, vals), sig)
+            self._remember(bufs, vals, (_VALS_KEY, bufs, vals), sig)
         return sig
 
     def _remember(self, bufs: tuple[Buffer, ...], vals: tuple[int, ...], key: Any, sig: Signal) -> None:

@@ -88,7 +88,11 @@ async def test_launches_passing_only_vals_repeat_in_c_and_bad_vals_are_still_ref
     sigs = [prog(out, vals=(3,)) for _ in range(5)]
     sigs.append(prog(out, vals=(4,)))
     sigs.append(prog(out, vals=[1]))  # a list: accepted by the Python path, never cached
-    assert ((out,), (3,)) in prog._by_bufs and ((out,), (4,)) in prog._by_bufs
+    from aiotinyrt.program import _VALS_KEY
+
+    assert (_VALS_KEY, (out,), (3,)) in prog._by_bufs and (_VALS_KEY, (out,), (4,)) in prog._by_bufs
+    with pytest.raises(TypeError, match="takes 1 buffers, got 2"):  # shaped like (buffers, vals)
+        prog((out,), (3,))  # type: ignore[arg-type]
     slow: list[object] = []
     python_call = prog._call
     prog._call = lambda *a: slow.append(a) or python_call(*a)  # type: ignore[method-assign]
