@@ -256,11 +256,8 @@ class Graph:
                 # fast path, as for launches: the only access known is on this same queue
                 if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
                     deps.extend(buf.dependencies(timeline, write))
-            waits = queue.native_deps(deps) if command is not None and queue.native else None
-            if command is not None and waits is not None:  # C waits and runs it without the GIL
-                sig = queue.submit_native(command[0], command[1], command[2], (command, keep), waits)
-            else:
-                sig = queue.submit(fn, args, tuple(deps) if deps else (), keep)
+            # native when it can be: C waits for the deps and runs it without the GIL
+            sig = queue.submit_either(command, fn, args, tuple(deps), keep)
             for buf, write in touched:
                 buf.record(sig, write)
             signals.append(sig)
@@ -268,10 +265,8 @@ class Graph:
             return signals[0]
         last = self._runs[-1].queue
         others = tuple(s for s in signals[:-1] if s.timeline is not last.timeline)
-        waits = last.native_deps(others) if last.native else None
-        if waits is not None:  # a native command that runs nothing, once the others are done
-            return last.submit_native(0, 0, 0, None, waits)
-        return last.submit(_join, (), others, None)
+        # (natively: a command that runs nothing, once the others are done)
+        return last.submit_either((0, 0, 0, None), _join, (), others, None)
 
     __call__ = replay
 

@@ -92,7 +92,6 @@ typedef struct {
 } hq_t;
 hq_t *hq_new(void);
 void hq_free(hq_t *q);
-int64_t hq_push(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args);
 int64_t hq_push_deps(hq_t *q, int32_t kind, uintptr_t fn, int32_t nargs, uintptr_t args,
                      int32_t ndeps, uintptr_t deps);
 int hq_run(hq_t *q);
@@ -847,60 +846,43 @@ def load() -> Any:
     return None if built is None else built[0]
 
 
-def pusher() -> Callable[[int, int, int, int, int], int]:
-    """``push(queue_address, kind, fn, nargs, args) -> value``: the extension module's, or one
-    through cffi when the library was built without Python's headers. Raises ``MemoryError`` when
-    no ring chunk can be allocated. Call only after :func:`load` succeeded."""
+def _hot(name: str, cffi_form: Callable[[Any], Callable[..., Any]]) -> Any:
+    """The extension module's function ``name`` (no libffi, no GIL release), or where the library
+    was built without Python's headers ``cffi_form(lib)``. Call only after :func:`load` succeeded."""
     built = _load()
     assert built is not None
     lib, module = built
-    if module is not None:
-        return module.push  # type: ignore[no-any-return]
+    return getattr(module, name) if module is not None else cffi_form(lib)
+
+
+def _push_cffi(lib: Any) -> Callable[..., int]:
     cast = ffi.cast
 
-    def push_cffi(q: int, kind: int, fn: int, nargs: int, args: int) -> int:
-        value = int(lib.hq_push(cast("hq_t *", q), kind, fn, nargs, args))
-        if value < 0:
-            raise MemoryError("out of memory for the command queue")
-        return value
-
-    return push_cffi
-
-
-def pusher_deps() -> Callable[[int, int, int, int, int, int, int], int]:
-    """``push(queue_address, kind, fn, nargs, args, ndeps, deps) -> value``: as :func:`pusher`,
-    for a command that runs once every ``(queue address, value)`` pair of the ``int64_t[2 *
-    ndeps]`` at ``deps`` is complete (waited for by the worker, in C)."""
-    built = _load()
-    assert built is not None
-    lib, module = built
-    if module is not None:
-        return module.push  # type: ignore[no-any-return]
-    cast = ffi.cast
-
-    def push_cffi(q: int, kind: int, fn: int, nargs: int, args: int, ndeps: int, deps: int) -> int:
+    def push(q: int, kind: int, fn: int, nargs: int, args: int, ndeps: int = 0, deps: int = 0) -> int:
         value = int(lib.hq_push_deps(cast("hq_t *", q), kind, fn, nargs, args, ndeps, deps))
         if value < 0:
             raise MemoryError("out of memory for the command queue")
         return value
 
-    return push_cffi
+    return push
+
+
+def pusher() -> Callable[..., int]:
+    """``push(queue_address, kind, fn, nargs, args[, ndeps, deps]) -> value``. With ``ndeps``, the
+    command runs once every ``(queue address, value)`` pair of the ``int64_t[2 * ndeps]`` at
+    ``deps`` is complete (waited for by the worker, in C). Raises ``MemoryError`` when no ring
+    chunk can be allocated."""
+    return _hot("push", _push_cffi)  # type: ignore[no-any-return]
 
 
 def completer() -> Callable[[int, int], None]:
     """``complete(queue_address, value)``: store ``completed`` from Python and wake workers of
-    other queues waiting for it (the extension module's, without releasing the GIL, else cffi)."""
-    built = _load()
-    assert built is not None
-    lib, module = built
-    if module is not None:
-        return module.complete  # type: ignore[no-any-return]
-    cast = ffi.cast
+    other queues waiting for it."""
 
-    def complete_cffi(q: int, value: int) -> None:
-        lib.hq_complete(cast("hq_t *", q), value)
+    def complete_cffi(lib: Any) -> Callable[[int, int], None]:
+        return lambda q, value: lib.hq_complete(ffi.cast("hq_t *", q), value)
 
-    return complete_cffi
+    return _hot("complete", complete_cffi)  # type: ignore[no-any-return]
 
 
 _configured: list[type] = []

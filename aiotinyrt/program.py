@@ -201,22 +201,18 @@ class Timeline:
         return None
 
     def _record_failure(self, first: int, last: int, error: BaseException) -> None:
-        """Native commands ``first..last`` failed with ``error`` (extends the newest range)."""
+        """Commands ``first..last`` failed with ``error`` (extends the newest range). Called
+        before ``completed`` reaches ``last``: on a native queue it also raises ``fail_max``, so
+        native commands of other queues depending on them come back to Python to be failed."""
         if first > last:
             return
-        self._note_failure(last)
+        if self._lib is not None:
+            self._lib.hq_note_failure(self._c, last)
         failures = self._failures
         if failures and failures[-1][1] == first - 1 and failures[-1][2] is error:
             failures[-1] = (failures[-1][0], last, error)
         else:
             failures.append((first, last, error))
-
-    def _note_failure(self, value: int) -> None:
-        """Command ``value`` failed: native commands of other queues that depend on it (or on
-        anything before it) come back to Python, which checks their dependencies' outcomes.
-        Called before ``completed`` reaches ``value``."""
-        if self._lib is not None:
-            self._lib.hq_note_failure(self._c, value)
 
     def elapsed_at(self, value: int) -> float:
         """Device seconds of native command ``value``; NaN once it is too old to be kept."""
@@ -511,7 +507,6 @@ class HostQueue:
         self._c = self.timeline._c
         if lib is not None:
             self._push = native.pusher()
-            self._push_deps = native.pusher_deps()
             self._caddr = self.timeline._caddr
         # the dependencies ``(timeline, value)`` of queued native commands that have some, by
         # value (see R_DEPS); no Signals, so nothing keeps them alive
@@ -592,7 +587,7 @@ class HostQueue:
             on = tuple((dep.timeline, dep.value) for dep in deps)
             waiting = self._dep_sigs
             with self._dep_lock:  # the worker's R_DEPS look-up must find the entry
-                value = self._push_deps(self._caddr, native.K_NATIVE, fn, nargs, block, len(deps), address)
+                value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block, len(deps), address)
                 waiting[value] = on
             if len(waiting) > 64:  # forget those that ran (R_DEPS pops only suspects)
                 completed = self._c.completed
@@ -975,24 +970,20 @@ class Program:
         checked before anything is enqueued (``TypeError``/``ValueError``).
         """
         fast = self._fast
-        if (
+        plain = (  # what a repeat launch may be: buffers, and at most vals
             fast is not None
             and global_size is _UNIT_SIZE
             and local_size is None
-            and vals is _NO_VALS
             and not wait_for
             and writes is None
             and _capturing.get() is None
-        ):
-            # The common launch, again: same buffers as an earlier native launch, each still
-            # holding the memory it had then, each last touched by this queue only. In C when
-            # the extension module is there (native.py's launch()), else the same in Python.
+        )
+        if plain and vals is _NO_VALS and self._c_launch is None:
+            # The common launch, again, without the extension module (with it, the C __call__
+            # did this before calling here): same buffers as an earlier native launch, each
+            # still holding the memory it had then, each last touched by this queue only.
+            assert fast is not None
             queue, timeline = fast[0], fast[1]
-            c_launch = self._c_launch
-            if c_launch is not None:
-                sig = c_launch(bufs, self._by_bufs, timeline, queue)
-                if sig is not None:
-                    return sig  # type: ignore[no-any-return]
             try:
                 entry = self._by_bufs.get(bufs)
             except TypeError:  # an unhashable argument: the full path says what is wrong
@@ -1009,22 +1000,13 @@ class Program:
                     for b in bufs:
                         b._accesses = [(0, b.nbytes, sig, True)]
                     return sig
-            sig = self._call(bufs, global_size, local_size, vals, wait_for, writes)
-            self._remember(bufs, (), bufs, sig)
-            return sig
         sig = self._call(bufs, global_size, local_size, vals, wait_for, writes)
-        if (
-            fast is not None
-            and self._c_launch is not None
-            and type(vals) is tuple
-            and global_size is _UNIT_SIZE
-            and local_size is None
-            and not wait_for
-            and writes is None
-            and all(type(v) is int for v in vals)
-            and _capturing.get() is None
-        ):  # the C call path also repeats launches that pass only vals (exact ints, as here)
-            self._remember(bufs, vals, (_VALS_KEY, bufs, vals), sig)
+        if plain:  # remember it for the repeat launch
+            if vals is _NO_VALS:
+                self._remember(bufs, (), bufs, sig)
+            elif self._c_launch is not None and type(vals) is tuple and all(type(v) is int for v in vals):
+                # (only the C __call__ repeats launches passing vals, exact ints as here)
+                self._remember(bufs, vals, (_VALS_KEY, bufs, vals), sig)
         return sig
 
     def _remember(self, bufs: tuple[Buffer, ...], vals: tuple[int, ...], key: Any, sig: Signal) -> None:

@@ -85,29 +85,50 @@ class TwoStagePipeline:
     async def create(
         cls, devices: tuple[str, str] = ("CPU", "CPU:1"), size: int = 4096, iters: int = 200, depth: int = 2
     ) -> TwoStagePipeline:
+        """Compile both stages and allocate every buffer.
+
+        Cancellation (or any error): the buffers allocated so far are freed before it propagates.
+        """
         self = cls(devices, size, iters, depth)
         first, second = devices
-        self.stage1 = await Device[first].program("stage1", STAGES)
-        self.stage2 = await Device[second].program("stage2", STAGES)
-        for _ in range(depth):
-            self.slots.append(
-                Slot(
-                    x=await Buffer(first, size, dtypes.float32).allocate(),
-                    h=await Buffer(first, size, dtypes.float32).allocate(),
-                    h2=await Buffer(second, size, dtypes.float32).allocate(),
-                    y=await Buffer(second, size, dtypes.float32).allocate(),
+        made: list[Buffer] = []
+
+        async def alloc(device: str) -> Buffer:
+            made.append(await Buffer(device, size, dtypes.float32).allocate())
+            return made[-1]
+
+        try:
+            self.stage1 = await Device[first].program("stage1", STAGES)
+            self.stage2 = await Device[second].program("stage2", STAGES)
+            for _ in range(depth):
+                self.slots.append(
+                    Slot(
+                        x=await alloc(first),
+                        h=await alloc(first),
+                        h2=await alloc(second),
+                        y=await alloc(second),
+                    )
                 )
-            )
-        for _ in range(depth + 1):
-            self.outs.append(await Buffer(second, size, dtypes.float32).allocate())
+            for _ in range(depth + 1):
+                self.outs.append(await alloc(second))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for buf in made:
+                    await buf.free()
+            raise
         return self
 
     async def aclose(self) -> None:
-        for slot in self.slots:
-            for buf in (slot.x, slot.h, slot.h2, slot.y):
+        """Free every buffer (their memory is released once the work using it completed).
+
+        Cancellation: shielded; every buffer is freed.
+        """
+        with anyio.CancelScope(shield=True):
+            for slot in self.slots:
+                for buf in (slot.x, slot.h, slot.h2, slot.y):
+                    await buf.free()
+            for buf in self.outs:
                 await buf.free()
-        for buf in self.outs:
-            await buf.free()
         self.slots = []
         self.outs = []
 
@@ -138,6 +159,9 @@ class TwoStagePipeline:
 
         The submitting task waits only for stage 1; the first device idles only for one
         transfer and a few wake-ups per micro-batch.
+
+        Cancellation: stops submitting; what was submitted completes on the devices, and the
+        buffers stay valid (the next run or ``aclose`` is ordered after that work).
         """
         outputs: list[FloatArray] = []
         if batches:
@@ -158,7 +182,10 @@ class TwoStagePipeline:
     async def capture_step(self) -> Graph:
         """Capture stage 1, the transfer, stage 2 and the copy of the result into an output
         buffer, for slot 0, as a graph whose buffers are named, so one synchronous ``replay``
-        per micro-batch submits all four for any slot and output."""
+        per micro-batch submits all four for any slot and output.
+
+        Cancellation: nothing was run; ``self.step`` stays as it was (a capture cancelled while
+        sealing cannot be replayed)."""
         slot, out = self.slots[0], self.outs[0]
         async with Device[self.devices[0]].capture(x=slot.x, h=slot.h, h2=slot.h2, y=slot.y, out=out) as step:
             self._launch_stage1(slot)
@@ -175,7 +202,9 @@ class TwoStagePipeline:
         of ``i - depth - 1`` (finished a micro-batch ago), never for a stage in progress, so
         both devices always have the next step queued. Every wait between devices (stage 2
         after the transfer after stage 1, a slot's reuse after its last reader) is the
-        runtime's, on the devices' workers."""
+        runtime's, on the devices' workers.
+
+        Cancellation: as :meth:`run`."""
         step = self.step or await self.capture_step()
         outputs: list[FloatArray] = []
         outs = self.outs
@@ -198,6 +227,8 @@ async def read(buf: Buffer) -> FloatArray:
     which wait for their stages, so the read would wait a whole stage. Where the device memory
     is host memory (CPU), ``as_memoryview()`` waits only for the buffer's own pending writes and
     the copy here is taken before anything else is submitted. Elsewhere it is a copy anyway.
+
+    Cancellation: cancels the wait; nothing is read.
     """
     view = await buf.as_memoryview()
     return np.frombuffer(view, dtype=np.float32).copy()

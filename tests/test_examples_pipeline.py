@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import anyio
 import numpy as np
 import pytest
 
@@ -72,3 +73,42 @@ def test_the_script_runs_and_prints_throughput() -> None:
     assert result.returncode == 0, result.stderr
     assert "micro-batches/s" in result.stdout
     assert "outputs identical in every configuration" in result.stdout
+
+
+async def test_create_frees_what_it_allocated_when_it_fails_part_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiotinyrt import Buffer, Device
+
+    devices = [Device["CPU"], Device["CPU:1"]]
+    before = [d.allocator.statistics().bytes_in_use for d in devices]
+    real_allocate = Buffer.allocate
+    calls = 0
+
+    async def failing_fifth(self: Buffer, opaque: object = None) -> Buffer:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise MemoryError("injected")
+        return await real_allocate(self, opaque)
+
+    monkeypatch.setattr(Buffer, "allocate", failing_fifth)
+    with pytest.raises(MemoryError, match="injected"):
+        await pipeline.TwoStagePipeline.create(("CPU", "CPU:1"), 64, 2, 2)
+    assert calls == 5
+    for device in devices:
+        await device.synchronize()
+    assert [d.allocator.statistics().bytes_in_use for d in devices] == before
+
+
+async def test_aclose_frees_everything_even_inside_a_cancelled_scope() -> None:
+    from aiotinyrt import Device
+
+    devices = [Device["CPU"], Device["CPU:1"]]
+    before = [d.allocator.statistics().bytes_in_use for d in devices]
+    pipe = await pipeline.TwoStagePipeline.create(("CPU", "CPU:1"), 64, 2, 2)
+    assert [d.allocator.statistics().bytes_in_use for d in devices] != before
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await pipe.aclose()
+    for device in devices:
+        await device.synchronize()
+    assert [d.allocator.statistics().bytes_in_use for d in devices] == before

@@ -14,13 +14,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, Device, DeviceError, native
+from aiotinyrt import Buffer, Device, DeviceError, Signal, native
+from aiotinyrt.program import HostQueue
 from tests.test_faults import inject_failure
 from tests.test_signals import GATE, INC, SPIN, STAMP, assert_cancelled_at_entry, gate_on, int_buffer
 
@@ -177,6 +179,20 @@ async def test_a_fault_fails_the_native_launches_queued_behind_it_and_reset_runs
 OTHER = "CPU:9"  # the second device of the cross-device tests
 
 
+def count_python_commands(monkeypatch: pytest.MonkeyPatch, queues: list[HostQueue]) -> list[str]:
+    """Record, by queue label, every Python command submitted to ``queues`` from now on."""
+    submitted: list[str] = []
+    for queue in queues:
+        original = queue.submit
+
+        def counting(*args: Any, _orig: Any = original, _q: str = queue.timeline.label, **kw: Any) -> Signal:
+            submitted.append(_q)
+            return _orig(*args, **kw)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(queue, "submit", counting)
+    return submitted
+
+
 async def test_a_launch_waiting_for_another_device_waits_in_c_and_starts_after_it() -> None:
     """A dependency on another device's command no longer makes a launch a Python command: the
     worker waits for the other queue in C, and the launch starts only after that command ran."""
@@ -204,18 +220,7 @@ async def test_copies_between_devices_and_host_run_natively_and_in_order(
     """copyin, copy_from between CPU devices and copyout are native commands (no Python command
     is submitted on either copy queue), ordered after the kernels that write their sources."""
     async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other, gate_on(DEV) as gate:
-        python_submits: list[str] = []
-        for d in (dev, other):
-            queue = d.queues["copy"]
-            original = queue.submit
-
-            def counting(
-                *args: object, _orig: object = original, _name: str = d.name, **kw: object
-            ) -> object:
-                python_submits.append(_name)
-                return _orig(*args, **kw)  # type: ignore[operator]
-
-            monkeypatch.setattr(queue, "submit", counting)
+        python_submits = count_python_commands(monkeypatch, [d.queues["copy"] for d in (dev, other)])
         inc = await dev.program("inc", INC)
         src = await int_buffer(DEV)
         dst = await int_buffer(OTHER)
@@ -251,18 +256,8 @@ async def test_a_graph_spanning_two_devices_replays_without_a_python_command(
             await y.copy_from(x)
             inc_b(y)
         assert [run.transfer is not None for run in graph._runs] == [False, True, False]
-        python_submits: list[str] = []
-        for d in (dev, other):
-            for queue in d.queues.values():
-                original = queue.submit
-
-                def counting(
-                    *args: object, _orig: object = original, _q: str = queue.timeline.label
-                ) -> object:
-                    python_submits.append(_q)
-                    return _orig(*args)  # type: ignore[operator]
-
-                monkeypatch.setattr(queue, "submit", counting)
+        queues = [q for d in (dev, other) for q in d.queues.values()]
+        python_submits = count_python_commands(monkeypatch, queues)
         first = graph.replay()
         second = graph.replay(x=x2, y=y2)
         await first

@@ -338,7 +338,7 @@ class Service:
         await self.pipeline.infer(array("f", bytes(4 * N_PIXELS)), 1)
         if cfg.worker_nice:
             self.reniced = lower_worker_priority(cfg.worker_nice)
-        if cfg.gc_freeze:
+        if cfg.gc_freeze:  # (one full collection on the loop, at start-up, before serving)
             gc.collect()
             gc.freeze()
         self.lag = LoopLag(cfg.lag_interval)
