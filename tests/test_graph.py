@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 import aiotinyrt as rt
 from aiotinyrt import Buffer, BufferSpec, Device, Program, Signal, dtypes
 from aiotinyrt.graph import Graph
+from aiotinyrt.program import HostQueue
 from tests.test_ordering import (
     AXPB,
     BASES,
     DEVICES,
+    Gate,
     IntArray,
     N,
     Op,
@@ -152,6 +154,17 @@ async def test_replay_with_a_substitute_does_not_need_the_captured_buffer_any_mo
 # ---- dependencies in graphs spanning two devices -------------------------------------------------
 
 
+async def replay_behind(gate: Gate, graph: Graph, queue: HostQueue, what: str) -> None:
+    """Replay ``graph`` while ``gate`` holds a kernel it depends on: the newest command of
+    ``queue`` (the graph's) stays pending until the gate opens, then the replay completes."""
+    replayed = graph.replay()
+    gate.launched.append(replayed)
+    timeline = queue.timeline
+    await assert_stays_pending(Signal(timeline, timeline.submitted), what)
+    gate.open()
+    await replayed
+
+
 async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -> None:
     x = await int_buffer("CPU", 20, size=4)
     mid = await int_buffer("CPU", 0, size=4)
@@ -163,14 +176,9 @@ async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -
             gate.launch(mid, x, add=1)  # mid = 21, held at replay until the gate opens
             await far.copy_from(mid)  # CPU:1 copy queue: must wait for the CPU kernel
             axpb(out, far, vals=(4, 2, 0, 0), writes=(0,))  # CPU:1 compute: after the copy
-        replayed = graph.replay()
-        gate.launched.append(replayed)
-        copy_queue = Device["CPU:1"].queues["copy"].timeline
-        await assert_stays_pending(
-            Signal(copy_queue, copy_queue.submitted), "the graph's transfer, before the kernel it reads"
+        await replay_behind(
+            gate, graph, Device["CPU:1"].queues["copy"], "the graph's transfer, before its source"
         )
-        gate.open()
-        await replayed
     assert await contents(far) == [21] * 4
     assert await contents(out) == [42] * 4
 
@@ -189,14 +197,8 @@ async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
             async with Device["CPU"].capture() as graph:
                 held = gate.launch(near, src, add=1)  # shared = 21
                 axpb(out, far_alias, vals=(4, 2, 0, 0), writes=(0,), wait_for=[held])
-            replayed = graph.replay()
-            gate.launched.append(replayed)
-            compute = Device["CPU:1"].queues["compute"].timeline
-            await assert_stays_pending(
-                Signal(compute, compute.submitted), "a captured launch with wait_for on a held one"
-            )
-            gate.open()
-            await replayed
+            what = "a captured launch with wait_for on a held one"
+            await replay_behind(gate, graph, Device["CPU:1"].queues["compute"], what)
         assert await contents(out) == [42] * 4
     finally:
         await near.free()
