@@ -59,6 +59,10 @@ _Command = tuple[int, int, int, Any]
 _Plan = tuple[Callable[..., object], tuple[Any, ...], list[tuple["Buffer", bool]], object, _Command | None]
 
 
+#: How many substitution sets a graph remembers the replay plans of (see Graph._plans_for).
+_PLAN_CACHE = 64
+
+
 @dataclass
 class NativeRun:
     """A run compiled into one C function: ``cfunc(fns, args)`` calls every kernel.
@@ -113,6 +117,8 @@ class Graph:
         self._names: dict[str, Buffer] = {}
         self._sealed = False
         self._timeline = Timeline("capture", "graph")
+        #: replay plans by substitution set (see _plans_for)
+        self._plan_cache: dict[tuple[tuple[str, int], ...], tuple[list[_Plan], tuple[Buffer, ...]]] = {}
         for name, buf in named.items():
             self.name(name, buf)
 
@@ -241,11 +247,9 @@ class Graph:
             raise RuntimeError("replay after the capture block has ended")
         if not self._runs:
             raise RuntimeError("the graph is empty: nothing was launched while capturing")
-        swap = self._substitutions(subs) if subs else {}
-        plans = []
         for run in self._runs:
             run.queue.device._check_open()
-            plans.append(self._plan(run, swap))
+        plans = self._plans_for(subs)
         signals: list[Signal] = []
         for run, (fn, args, touched, keep, command) in zip(self._runs, plans, strict=True):
             queue = run.queue
@@ -269,6 +273,40 @@ class Graph:
         return last.submit_either((0, 0, 0, None), _join, (), others, None)
 
     __call__ = replay
+
+    def _plans_for(self, subs: dict[str, Buffer]) -> list[_Plan]:
+        """Every run's plan for these substitutions (see :meth:`_plan`).
+
+        Plans for a set of substitute buffers are remembered (up to ``_PLAN_CACHE`` sets, keyed
+        by the buffers' identities, in keyword order): a pipeline cycling through its slots then
+        only checks that none of them was freed. Building a plan copies the argument array and
+        makes the native command blocks, several times the cost of submitting it. The cache
+        holds the Buffer objects, not their memory: ``free()`` releases memory as always, and a
+        freed buffer makes its plans be rebuilt, which raises the use-after-free error.
+        """
+        if not subs:
+            return [self._plan(run, {}) for run in self._runs]
+        # (ids are safe as a key: the entry holds the buffers, so no other object has their id)
+        key = tuple((name, id(buf)) for name, buf in subs.items())
+        cached = self._plan_cache.get(key)
+        if cached is not None:
+            plans, kept = cached
+            for buf in kept:
+                if buf._freed or (buf._base is not None and buf._base._freed):
+                    break
+            else:
+                return plans
+            del self._plan_cache[key]
+        swap = self._substitutions(subs)
+        plans = [self._plan(run, swap) for run in self._runs]
+        if len(self._plan_cache) >= _PLAN_CACHE:
+            self._plan_cache.clear()
+        used = {id(buf): buf for buf in subs.values()}
+        for plan in plans:
+            for buf, _ in plan[2]:
+                used[id(buf)] = buf
+        self._plan_cache[key] = (plans, tuple(used.values()))
+        return plans
 
     def _plan(self, run: _Run, swap: dict[int, Buffer]) -> _Plan:
         """``(fn, args, accesses, keep, command)``: ``fn(*args)`` runs the run on its queue's

@@ -42,6 +42,7 @@ finalizing a device fails what it did not run.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextvars
 import functools
@@ -417,13 +418,13 @@ class Signal:
 
     async def _settle(self, timeout: float | None = None) -> None:
         """Wait until done without raising the command's error (see :meth:`wait`)."""
-        if timeout is None:
-            ms = getenv("WAIT_TIMEOUT_MS")
-            timeout = ms / 1000 if ms > 0 else None
         timeline, value = self.timeline, self.value
         if timeline.completed >= value:
             await anyio.lowlevel.checkpoint()
             return
+        if timeout is None:  # (read only when there is something to wait for)
+            ms = getenv("WAIT_TIMEOUT_MS")
+            timeout = ms / 1000 if ms > 0 else None
         event = anyio.Event()
         waiter = timeline.add_waiter(value, _loop_waker(event.set))
         try:
@@ -581,9 +582,9 @@ class HostQueue:
         if self._stopping:
             raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
         if deps:
-            ffi = native.ffi
-            pairs = ffi.new("int64_t[]", [x for dep in deps for x in (dep.timeline._caddr, dep.value)])
-            address = int(ffi.cast("uintptr_t", pairs))
+            # (an array.array: its buffer address without cffi's Python-level new() and cast())
+            pairs = array.array("q", [x for dep in deps for x in (dep.timeline._caddr, dep.value)])
+            address = pairs.buffer_info()[0]
             on = tuple((dep.timeline, dep.value) for dep in deps)
             waiting = self._dep_sigs
             with self._dep_lock:  # the worker's R_DEPS look-up must find the entry

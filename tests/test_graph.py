@@ -312,6 +312,33 @@ async def test_replay_with_a_bad_substitute_raises_before_enqueueing_anything() 
     assert await contents(good_out) == chain_expected(np.ones(4, np.int32))
 
 
+async def test_replay_plans_are_reused_per_substitution_set_and_rebuilt_after_a_free() -> None:
+    """Alternating substitution sets replay from remembered plans (identical results); freeing a
+    remembered substitute raises the use-after-free error instead of replaying its stale plan."""
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", 1, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    graph = await capture_chain(progs, x, mid, far, out)
+    xs = [await int_buffer("CPU", np.full(4, i, np.int32), size=4) for i in range(3)]
+    outs = [await int_buffer("CPU:1", 0, size=4) for _ in range(3)]
+    for round_ in range(3):
+        for i in range(3):
+            await xs[i].copyin(np.full(4, i + round_, np.int32))
+            await graph.replay(x=xs[i], out=outs[i])
+            assert await contents(outs[i]) == chain_expected(np.full(4, i + round_, np.int32))
+    assert len(graph._plan_cache) == 3
+    await outs[1].free()
+    before = submitted()
+    with pytest.raises(RuntimeError, match="use after free"):
+        graph.replay(x=xs[1], out=outs[1])
+    assert submitted() == before
+    replacement = await int_buffer("CPU:1", 0, size=4)
+    await graph.replay(x=xs[1], out=replacement)
+    assert await contents(replacement) == chain_expected(np.full(4, 3, np.int32))
+
+
 async def test_replay_with_a_freed_captured_buffer_raises_before_enqueueing_anything() -> None:
     progs = await axpb_programs()
     x = await int_buffer("CPU", 1, size=4)
