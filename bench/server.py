@@ -9,7 +9,10 @@ it with ``examples/loadgen.py``'s client (64 concurrent clients, 8 images per re
 (a) ``pipelined``: aiotinyrt, micro-batches pipelined over CPU and CPU:1 (the server);
 (b) ``blocking``:  the same compiled kernels called synchronously in the request handler,
                    one request at a time, blocking the event loop;
-(c) ``numpy``:     numpy (its BLAS) in the request handler.
+(c) ``numpy``:     numpy (its BLAS) in the request handler;
+(d) ``http``:      a control, not a competitor: the same server answering zeros without any
+                   model (parsing, validation, JSON, hypercorn and starlette alone), so the table
+                   shows how much of (a)'s loop lag the HTTP stack has on its own at this load.
 
 It reports throughput, p50/p99 latency, and the worst lag of a ticker task on the server's event
 loop (``sleep(5 ms)``, how late it woke: see ``/stats``), measured during the loaded run only.
@@ -48,6 +51,7 @@ MODES = {
     "pipelined": "(a) aiotinyrt, pipelined over CPU and CPU:1",
     "blocking": "(b) same kernels, called in the handler",
     "numpy": "(c) numpy in the handler",
+    "http": "(d) control: HTTP stack alone, no model",
 }
 
 

@@ -164,6 +164,17 @@ async def test_baseline_modes_agree_with_the_pipeline(mode: str) -> None:
         assert max(abs(x - y) for x, y in zip(p, q, strict=True)) < 1e-4
 
 
+async def test_http_control_mode_answers_zeros_and_still_validates() -> None:
+    """bench/server.py's control row: the HTTP stack alone, same interface and validation."""
+    _, test = mlp.load_digits_mlp()
+    async with running_server(mode="http") as (url, _), httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/predict", json=digits_body(test, 0, 3))
+        assert response.status_code == 200, response.text
+        assert response.json() == {"classes": [0, 0, 0], "probabilities": [[0.0] * 10] * 3}
+        bad = await client.post("/predict", json={"images": [[1] * 63]})
+        assert bad.status_code == 422 and "64" in bad.text, bad.text
+
+
 async def test_width_builds_a_random_mlp_of_the_same_shape() -> None:
     async with running_server(width=40) as (url, service):
         report = await loadgen.run_load(url, requests=10, concurrency=4, batch=2, time_limit=TIMEOUT)

@@ -63,7 +63,7 @@ from mlp import (
 
 from aiotinyrt import Device
 
-MODES = ("pipelined", "blocking", "numpy")
+MODES = ("pipelined", "blocking", "numpy", "http")
 
 
 @dataclass
@@ -294,6 +294,12 @@ class LoopLag:
         return {"worst_ms": self.worst * 1e3, "mean_ms": mean * 1e3, "ticks": self.ticks}
 
 
+def zero_result(pixels: array[float], rows: int) -> Result:
+    """The ``http`` mode's answer: no model, zero probabilities and class 0 for every image, so
+    bench/server.py can measure what the HTTP stack (parsing, validation, JSON) costs alone."""
+    return Result(array("f", bytes(4 * N_CLASSES * rows)), array("i", bytes(4 * rows)))
+
+
 # ---- the service --------------------------------------------------------------------------------
 @dataclass
 class Service:
@@ -332,8 +338,10 @@ class Service:
         elif cfg.mode == "blocking":
             self.blocking = await BlockingModel.create(self.pipeline)
             self.compute = self.blocking.infer
-        else:
+        elif cfg.mode == "numpy":
             self.compute = (await NumpyModel.create(self.pipeline)).infer
+        else:  # "http": a control for bench/server.py, the HTTP stack alone (answers are zeros)
+            self.compute = zero_result
         # one micro-batch through every stage: starts every device worker thread, then lower them
         await self.pipeline.infer(array("f", bytes(4 * N_PIXELS)), 1)
         if cfg.worker_nice:
