@@ -240,6 +240,20 @@ class Buffer:
             and sig.timeline.completed < sig.value
         ]
 
+    def _idle(self, write: bool) -> bool:
+        """No pending command on any queue conflicts with a new access to these bytes (a write
+        conflicts with every pending access, a read with pending writes): an access now, on
+        the calling thread, is ordered exactly as one queued now would be."""
+        accesses = self.base._accesses
+        if not accesses:
+            return True
+        start = self.offset
+        end = start + self.nbytes
+        for a_start, a_end, sig, a_write in accesses:
+            if (a_write or write) and a_start < end and start < a_end and sig.timeline.completed < sig.value:
+                return False
+        return True
+
     def record(self, sig: Signal, write: bool) -> None:
         """Remember that the command of ``sig`` reads or writes this buffer's bytes."""
         base = self._base
@@ -297,13 +311,19 @@ class Buffer:
 
         Cancellation: cancels the wait only; the copy completes, reading ``src`` (kept alive).
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
         data = self._check_host(src, writable=False, what="copyin source")
         handle = self.handle()
         device = self.device_obj
+        alloc = device.allocator
+        if data.nbytes <= alloc.inline_copy_bytes and self._idle(True) and device._healthy():
+            await anyio.lowlevel.checkpoint()  # (cancelled here: nothing was copied)
+            if self._idle(True) and device._healthy():  # (still: the checkpoint let others run)
+                alloc._copyin(handle, data)
+                return self
+        else:
+            await anyio.lowlevel.checkpoint_if_cancelled()
         queue = device._copy_queue
         deps = tuple(self.dependencies(queue.timeline, True))
-        alloc = device.allocator
         call = alloc._native_copyin(handle, data) if queue.native else None
         sig = queue.submit_either(call, alloc._copyin, (handle, data), deps, (self, data))
         self.record(sig, True)
@@ -317,14 +337,20 @@ class Buffer:
 
         Cancellation: cancels the wait only; the copy completes and writes into ``dest``.
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
         data = self._check_host(dest, writable=True, what="copyout destination")
         handle = self.handle()
         device = self.device_obj
-        device.allocator.check_copyout()
+        alloc = device.allocator
+        alloc.check_copyout()
+        if data.nbytes <= alloc.inline_copy_bytes and self._idle(False) and device._healthy():
+            await anyio.lowlevel.checkpoint()  # (cancelled here: nothing was copied)
+            if self._idle(False) and device._healthy():
+                alloc._copyout(data, handle)
+                return
+        else:
+            await anyio.lowlevel.checkpoint_if_cancelled()
         queue = device._copy_queue
         deps = tuple(self.dependencies(queue.timeline, False))
-        alloc = device.allocator
         call = alloc._native_copyout(data, handle) if queue.native else None
         sig = queue.submit_either(call, alloc._copyout, (data, handle), deps, (self, data))
         self.record(sig, False)

@@ -217,6 +217,10 @@ class Compiled:
     def _on_close(self) -> None:
         """Backend hook: release backend resources after the queues stopped."""
 
+    def _healthy(self) -> bool:
+        """Open and without a sticky error (commands would run)."""
+        return not self._closed and self._error is None
+
     def _check_open(self) -> None:
         if self._closed:
             raise DeviceError(f"{self.name} is closed", device=self.name)

@@ -251,6 +251,8 @@ class Graph:
             run.queue.device._check_open()
         plans = self._plans_for(subs)
         signals: list[Signal] = []
+        #: per run, this replay's signals it waits for, directly or through those it waits for
+        waited: list[set[int]] = []
         for run, (fn, args, touched, keep, command) in zip(self._runs, plans, strict=True):
             queue = run.queue
             timeline = queue.timeline
@@ -264,11 +266,21 @@ class Graph:
             sig = queue.submit_either(command, fn, args, tuple(deps), keep)
             for buf, write in touched:
                 buf.record(sig, write)
+            covered = {id(dep) for dep in deps}
+            for r, earlier in enumerate(signals):
+                if id(earlier) in covered:
+                    covered |= waited[r]
+            waited.append(covered)
             signals.append(sig)
         if len(signals) == 1:
             return signals[0]
         last = self._runs[-1].queue
         others = tuple(s for s in signals[:-1] if s.timeline is not last.timeline)
+        if all(id(s) in waited[-1] for s in others):
+            # The last run waits for every other one (through the data it reads, e.g. stage 1 ->
+            # transfer -> stage 2 -> copy out), and a dependency's failure fails its dependents:
+            # its signal already stands for the whole replay, no joining command is needed.
+            return signals[-1]
         # (natively: a command that runs nothing, once the others are done)
         return last.submit_either((0, 0, 0, None), _join, (), others, None)
 

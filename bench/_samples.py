@@ -19,3 +19,7 @@ class Samples:
     def median(self, key: str) -> float | None:
         vals = self.values.get(key)
         return statistics.median(vals) if vals else None
+
+    def last(self, key: str) -> float:
+        """The latest sample of ``key`` (it must have one)."""
+        return self.values[key][-1]

@@ -10,8 +10,10 @@ One run prints one markdown table, side by side:
    captured graph (native C replay on CPU), per kernel; and, if ``import tinygrad`` works,
    tinygrad's TinyJit replay of one tiny op (``(a + b).realize()``) in the same process;
 2. the two-stage compute pipeline of ``examples/pipeline.py`` (compute-bound stages) on CPU and
-   CPU:1 against the same stages on one device, plus the ceiling the machine offers at the moment
-   (two independent kernels on two devices against the same two back to back);
+   CPU:1 against the same stages on one device (the better of its two patterns, eager and graph
+   replay, in each repetition: the ratio is the pipeline's, not the one-device pattern's loss),
+   plus the ceiling the machine offers at the moment (two independent kernels on two devices
+   against the same two back to back);
 3. a kernel and a large copyin overlapped (compute queue and copy queue) against back to back.
 
 Every figure is the median over the repetitions; one repetition runs every measurement once, in
@@ -308,6 +310,11 @@ async def suite(cfg: Config, samples: Samples, tinyjit: TinyJitBench | None) -> 
         samples.add("pipe_two", await pipeline_rate(cfg, ("CPU", "CPU:1"), False, data))
         samples.add("pipe_two_graph", await pipeline_rate(cfg, ("CPU", "CPU:1"), True, data))
         samples.add("pipe_one_graph", await pipeline_rate(cfg, ("CPU", "CPU"), True, data))
+        # against the better one-device pattern of this repetition (the graph path keeps one
+        # device busier than the eager pattern, whose task waits on the critical path)
+        best_one = max(samples.last("pipe_one"), samples.last("pipe_one_graph"))
+        samples.add("x_two", samples.last("pipe_two") / best_one)
+        samples.add("x_two_graph", samples.last("pipe_two_graph") / best_one)
         samples.add("ceiling", await ceiling(cfg))
         samples.add("kernel", await overlap.kernel_alone())
         samples.add("copy", await overlap.copy())
@@ -374,41 +381,41 @@ def report(cfg: Config, s: Samples, tinyjit_label: str) -> str:
         )
     )
     one, two, two_graph, one_graph = m("pipe_one"), m("pipe_two"), m("pipe_two_graph"), m("pipe_one_graph")
-    stage_ms = None if one is None else 1e3 / one / 2
+    stage_ms = None if one_graph is None else 1e3 / one_graph / 2
     rows.append(
         (
-            f"2. pipeline, one device: {cfg.batches} micro-batches × 2 stages (~{fmt(stage_ms, 2)} ms each)",
+            f"2. pipeline, one device, eager pattern: {cfg.batches} micro-batches × 2 stages",
             "batches/s",
             fmt(one, 1),
             "—",
             "ref",
         )
     )
-    for label, value in (
-        ("CPU + CPU:1, eager pattern", two),
-        ("CPU + CPU:1, graph replay per batch", two_graph),
+    rows.append(
+        (
+            f"   one device, graph replay per batch (~{fmt(stage_ms, 2)} ms per stage)",
+            "batches/s",
+            fmt(one_graph, 1),
+            "—",
+            "ref",
+        )
+    )
+    for label, value, key in (
+        ("CPU + CPU:1, eager pattern", two, "x_two"),
+        ("CPU + CPU:1, graph replay per batch", two_graph, "x_two_graph"),
     ):
-        ratio = None if value is None or not one else value / one
+        ratio = m(key)
         ceil = m("ceiling")
         of_ceiling = "" if ratio is None or not ceil else f", {ratio / ceil:.0%} of ceiling"
         rows.append(
             (
                 f"   {label}",
-                "batches/s (× one)",
+                "batches/s (× best one-device)",
                 f"{fmt(value, 1)} ({fmt(ratio, 2)}×{of_ceiling})",
                 f"≥ {TARGET_PIPELINE_X}×",
                 verdict(ratio, lambda v: v >= TARGET_PIPELINE_X),
             )
         )
-    rows.append(
-        (
-            "   one device, graph replay per batch",
-            "batches/s (× one)",
-            f"{fmt(one_graph, 1)} ({fmt(None if one_graph is None or not one else one_graph / one, 2)}×)",
-            "—",
-            "",
-        )
-    )
     rows.append(
         (
             "   machine ceiling now: 2 independent kernels on 2 devices vs back to back",

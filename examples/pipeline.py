@@ -77,6 +77,9 @@ class TwoStagePipeline:
         #: the graph path's outputs: one more than ``depth``, so the one read before a replay
         #: finished a whole micro-batch earlier (see :meth:`run_graph`)
         self.outs: list[Buffer] = []
+        #: the graph path's inputs on the first device, as many as ``outs``: when output ``k`` is
+        #: read, the replay that last read input ``k`` is over, so filling it waits for nothing
+        self.ins: list[Buffer] = []
         self.stage1: Program | None = None
         self.stage2: Program | None = None
         self.step: Graph | None = None
@@ -111,6 +114,7 @@ class TwoStagePipeline:
                 )
             for _ in range(depth + 1):
                 self.outs.append(await alloc(second))
+                self.ins.append(await alloc(first))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for buf in made:
@@ -127,10 +131,11 @@ class TwoStagePipeline:
             for slot in self.slots:
                 for buf in (slot.x, slot.h, slot.h2, slot.y):
                     await buf.free()
-            for buf in self.outs:
+            for buf in (*self.outs, *self.ins):
                 await buf.free()
         self.slots = []
         self.outs = []
+        self.ins = []
 
     def _launch_stage1(self, slot: Slot) -> None:
         assert self.stage1 is not None
@@ -197,23 +202,26 @@ class TwoStagePipeline:
 
     async def run_graph(self, batches: Sequence[FloatArray]) -> list[FloatArray]:
         """As :meth:`run`, but each micro-batch is one replay of :meth:`capture_step`, and the
-        submitting task stays ahead of the devices: it waits only for the copy-in of micro-batch
-        ``i`` (which waits for stage 1 of ``i - depth`` to have read the slot) and for the output
-        of ``i - depth - 1`` (finished a micro-batch ago), never for a stage in progress, so
-        both devices always have the next step queued. Every wait between devices (stage 2
-        after the transfer after stage 1, a slot's reuse after its last reader) is the
-        runtime's, on the devices' workers.
+        submitting task stays ahead of the devices: it waits once per micro-batch, for the
+        output of ``i - depth - 1`` (finished a micro-batch ago), never for a stage in progress,
+        so both devices always have the next step queued. Stage 1 reads micro-batch ``i`` from
+        input ``i % (depth + 1)``, which the replay of ``i - depth - 1`` read last: that replay is
+        over once its output was read, so the copy-in waits for nothing (on CPU, a small copy
+        into memory nothing pending touches is a memcpy on the loop thread). Every wait between
+        devices (stage 2 after the transfer after stage 1, a slot's reuse after its last reader)
+        is the runtime's, on the devices' workers.
 
         Cancellation: as :meth:`run`."""
         step = self.step or await self.capture_step()
         outputs: list[FloatArray] = []
-        outs = self.outs
+        outs, ins = self.outs, self.ins
         for i, batch in enumerate(batches):
-            slot, out = self.slots[i % self.depth], outs[i % len(outs)]
+            k = i % len(outs)
+            slot, out, inp = self.slots[i % self.depth], outs[k], ins[k]
             if i >= len(outs):  # this output buffer's previous micro-batch: read it before reuse
                 outputs.append(await read(out))
-            await slot.x.copyin(batch)
-            step.replay(x=slot.x, h=slot.h, h2=slot.h2, y=slot.y, out=out)
+            await inp.copyin(batch)
+            step.replay(x=inp, h=slot.h, h2=slot.h2, y=slot.y, out=out)
         for done in range(max(len(batches) - len(outs), 0), len(batches)):
             outputs.append(await read(outs[done % len(outs)]))
         return outputs

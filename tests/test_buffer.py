@@ -380,6 +380,39 @@ async def test_copyin_is_ordered_after_a_pending_kernel_read() -> None:
             await b.free()
 
 
+async def test_small_copies_of_idle_memory_run_inline_and_the_rest_are_queued() -> None:
+    """copyin/copyout of at most ``inline_copy_bytes`` into memory no pending command touches run
+    on the loop thread (nothing is queued, the data is there on return); larger ones, and those
+    that must wait for a pending access of the same bytes, go through the copy queue in order."""
+    alloc = Device["CPU"].allocator
+    limit = alloc.inline_copy_bytes
+    assert limit >= 4
+    copy = Device["CPU"].queues["copy"].timeline
+    small = await Buffer("CPU", limit // 4, dtypes.int32).allocate()
+    large = await Buffer("CPU", limit // 4 + 1, dtypes.int32).allocate()
+    before = copy.submitted
+    await small.copyin(np.arange(limit // 4, dtype=np.int32))
+    out = np.zeros(limit // 4, np.int32)
+    await small.copyout(out)
+    assert out.tolist() == list(range(limit // 4))
+    assert copy.submitted == before, "an idle small copy was queued"
+    await large.copyin(np.ones(limit // 4 + 1, np.int32))
+    assert copy.submitted == before + 1, "a copy above the limit ran on the loop thread"
+    async with gate_on("CPU") as gate:
+        held = await int_buffer("CPU")
+        gate.launch(held, 5)  # a pending write of `held`, holding the compute queue
+        await small.copyin(np.full(limit // 4, 7, np.int32))  # other memory: not held up
+        assert copy.submitted == before + 1
+        value = np.zeros(1, np.int32)
+        await start_then_open(gate, lambda: held.copyout(value))
+        assert copy.submitted == before + 2, "a read of memory with a pending write ran inline"
+        assert value.tolist() == [5]
+        await held.free()
+    assert (await small.numpy()).tolist() == [7] * (limit // 4)
+    for b in (small, large):
+        await b.free()
+
+
 async def test_kernel_is_ordered_after_a_pending_copy_on_the_copy_queue() -> None:
     copy1 = await Device["CPU"].program("copy1", COPY1)
     async with gate_on("CPU:1") as gate:

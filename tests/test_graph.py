@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, BufferSpec, Device, Program, Signal, dtypes
+from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes
 from aiotinyrt.graph import Graph
 from aiotinyrt.program import HostQueue
+from tests.test_faults import FAULTY, inject_failure
 from tests.test_ordering import (
     AXPB,
     BASES,
@@ -181,6 +182,66 @@ async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -
         )
     assert await contents(far) == [21] * 4
     assert await contents(out) == [42] * 4
+
+
+async def test_a_chain_replay_needs_no_join_and_fails_when_its_first_run_fails() -> None:
+    """Stage 1 -> transfer -> stage 2: the last run waits for every other one, so its signal is
+    the replay's (no joining command), and a failure of the first run still fails it."""
+    async with rt.open_device(FAULTY) as dev:
+        near = await dev.program("axpb", AXPB)
+        far_prog = await Device["CPU:1"].program("axpb", AXPB)
+        x = await int_buffer(FAULTY, 1, size=4)
+        mid = await int_buffer(FAULTY, 0, size=4)
+        far = await int_buffer("CPU:1", 0, size=4)
+        out = await int_buffer("CPU:1", 0, size=4)
+        async with dev.capture() as graph:
+            near(mid, x, vals=(4, 2, 1, 0), writes=(0,))
+            await far.copy_from(mid)
+            far_prog(out, far, vals=(4, 3, 0, 0), writes=(0,))
+        compute = Device["CPU:1"].queues["compute"].timeline
+        held = await int_buffer(FAULTY, 0, size=4)
+        async with gate_on(FAULTY) as gate:
+            gate.launch(held, held)  # keeps stage 1 pending while the replay is submitted
+            before = compute.submitted
+            replayed = graph.replay()
+            assert compute.submitted == before + 1, "a joining command was queued"
+            gate.open()
+            await replayed
+        assert await contents(out) == chain_expected(np.ones(4, np.int32))
+        async with gate_on(FAULTY) as gate:
+            gate.launch(held, held)  # holds the compute queue: the replay is queued behind a fault
+            fault = inject_failure(dev)
+            replayed = graph.replay()
+            gate.open()
+            with pytest.raises(DeviceError):
+                await fault
+            with pytest.raises(DeviceError, match="failed"):
+                await replayed
+        await Device["CPU:1"].synchronize()  # the dependent device is not poisoned
+        await dev.reset()
+        for buf in (x, mid, held):
+            await buf.free()
+    for buf in (far, out):
+        await buf.free()
+
+
+async def test_a_replay_signal_covers_runs_the_last_one_does_not_wait_for() -> None:
+    """Two independent runs (CPU held by a gate, CPU:1 free): the replay's signal must not be
+    done before the held one is (it joins them)."""
+    held = await int_buffer("CPU", 0, size=4)
+    src = await int_buffer("CPU:1", 1, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    axpb = await Device["CPU:1"].program("axpb", AXPB)
+    async with gate_on("CPU") as gate:
+        async with Device["CPU"].capture() as graph:
+            gate.launch(held, held)
+            axpb(out, src, vals=(4, 2, 0, 0), writes=(0,))
+        replayed = graph.replay()
+        gate.launched.append(replayed)
+        await assert_stays_pending(replayed, "a replay whose first run is held")
+        gate.open()
+        await replayed
+    assert await contents(out) == [2] * 4
 
 
 async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:

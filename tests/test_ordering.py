@@ -132,15 +132,27 @@ async def start_copy(
     tg: anyio.abc.TaskGroup, dest: Buffer, call: Callable[..., Coroutine[Any, Any, object]], *args: object
 ) -> Signal:
     """Start ``call(*args)`` (``dest.copy_from`` or ``dest.copyin``, which wait for their copy) in
-    a task and return once the copy is *enqueued* on ``dest``'s copy queue, with a Signal for it.
+    a task and return once the copy is *enqueued* on ``dest``'s copy queue, with a Signal for it,
+    or once it is done, when it ran on the loop thread without being queued (a small copy into
+    memory no pending command touches: then the Signal is one that is already done).
 
     The caller carries on submitting while the copy is in flight; a failed copy fails ``tg``.
     """
     timeline = dest.device_obj.queues["copy"].timeline
     before = timeline.submitted
-    tg.start_soon(call, *args)
-    while timeline.submitted == before:  # the task submits before its first await
+    finished = anyio.Event()
+
+    async def run() -> None:
+        try:
+            await call(*args)
+        finally:
+            finished.set()
+
+    tg.start_soon(run)
+    while timeline.submitted == before and not finished.is_set():  # it submits before it waits
         await anyio.lowlevel.checkpoint()
+    if timeline.submitted == before:
+        return Signal(timeline, 0)  # copied inline: nothing was queued
     assert timeline.submitted == before + 1
     return Signal(timeline, before + 1)
 

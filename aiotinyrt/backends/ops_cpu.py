@@ -278,6 +278,9 @@ class CPUMemory:
 class CPUAllocator(LRUAllocator[CPUMemory]):
     """Page-aligned anonymous mmap memory; zero-copy host views."""
 
+    #: 64 KiB: a few microseconds of memcpy on the loop thread (see Allocator.inline_copy_bytes)
+    inline_copy_bytes = 64 * 1024
+
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
         self._unreleased: list[mmap.mmap] = []  # freed while a host view still used them
