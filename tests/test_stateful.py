@@ -241,8 +241,9 @@ class RuntimeMachine(RuleBasedStateMachine):
             return scope.cancelled_caught
 
         cancelled = self.call(go)
-        # cancelled before it enqueued (a checkpoint at entry) -> nothing happened; after -> it runs
-        if copy_queue.submitted != before and ref.base.model is not None:
+        # cancelled before it enqueued (a checkpoint at entry) -> nothing happened; after -> it
+        # runs; a small copy into idle memory is not queued at all: done iff not cancelled
+        if (copy_queue.submitted != before or not cancelled) and ref.base.model is not None:
             ref.base.model[ref.offset : ref.offset + ref.size] = data
         STATS["copyins"] += 1
         STATS["copyins cancelled"] += cancelled
