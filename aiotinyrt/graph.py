@@ -185,6 +185,7 @@ class Graph:
     async def _seal(self) -> None:
         """Split into runs and build native replays (compiles on CPU)."""
         self._sealed = True
+        self._fold_transfers()
         runs: list[_Run] = []
         for index, entry in enumerate(self._entries):
             if not runs or runs[-1].queue is not entry.queue:
@@ -208,7 +209,7 @@ class Graph:
                 }
             )
             builder = getattr(run.queue.device, "_native_graph", None)
-            if builder is not None and all(e.program is not None for e in run.entries):
+            if builder is not None:  # (None when it cannot: the run replays through Python)
                 run.native = await builder(run.entries)
             if len(run.entries) == 1 and run.queue.native:
                 fn = run.entries[0].fn
@@ -216,6 +217,34 @@ class Graph:
                 if owner is not None and fn == getattr(owner, "_transfer", None):
                     run.transfer = owner
         self._runs = runs
+
+    def _fold_transfers(self) -> None:
+        """Move a captured transfer onto its device's compute queue when it feeds the next entry
+        there (which reads its destination) or drains the previous one (which wrote its source):
+        it would wait for that kernel, or that kernel for it, anyway. The three then form one
+        run, one queue command per replay with no hand-over between queues (a transfer between
+        two kernels of a pipeline stage costs two cross-queue wake-ups on the copy queue);
+        on CPU the run stays native, the transfers being memmoves in its C function. A transfer
+        next to unrelated work keeps the copy queue, so it still overlaps compute."""
+        entries = self._entries
+        for k, entry in enumerate(entries):
+            owner = getattr(entry.fn, "__self__", None)
+            if owner is None or entry.fn != getattr(owner, "_transfer", None):
+                continue
+            compute = entry.queue.device._compute_queue
+            if entry.queue is compute:
+                continue
+            dest, src = entry.bufs[0].base, entry.bufs[1].base
+            after = entries[k + 1] if k + 1 < len(entries) else None
+            before = entries[k - 1] if k else None
+            feeds = after is not None and after.queue is compute and any(b.base is dest for b in after.bufs)
+            drains = (
+                before is not None
+                and before.queue is compute
+                and any(w and b.base is src for b, w in zip(before.bufs, before.writes, strict=True))
+            )
+            if feeds or drains:
+                entry.queue = compute
 
     # ---- replay -------------------------------------------------------------------------------
     def _substitutions(self, subs: dict[str, Buffer]) -> dict[int, Buffer]:

@@ -43,12 +43,18 @@ async def test_main_runs_every_configuration_and_reports_a_rate_for_each(
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-async def test_pipeline_outputs_equal_running_the_stages_one_batch_at_a_time(depth: int, graph: bool) -> None:
+@pytest.mark.parametrize(
+    ("graph", "group"),
+    [(False, 2), (True, 1), (True, 2), (True, 3)],
+    ids=["eager", "graph-group1", "graph-group2", "graph-group3"],
+)
+async def test_pipeline_outputs_equal_running_the_stages_one_batch_at_a_time(
+    depth: int, graph: bool, group: int
+) -> None:
     rng = np.random.default_rng(depth)
-    batches = [rng.random(32, dtype=np.float32) for _ in range(7)]
+    batches = [rng.random(32, dtype=np.float32) for _ in range(13)]
     one = await pipeline.TwoStagePipeline.create(("CPU", "CPU"), 32, 3, 1)
-    two = await pipeline.TwoStagePipeline.create(("CPU", "CPU:1"), 32, 3, depth)
+    two = await pipeline.TwoStagePipeline.create(("CPU", "CPU:1"), 32, 3, depth, group)
     try:
         # depth 1 on one device, each batch run on its own: the reference
         expected = [(await one.run([batch]))[0] for batch in batches]

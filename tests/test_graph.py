@@ -175,13 +175,39 @@ async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -
     async with gate_on("CPU") as gate:
         async with Device["CPU"].capture() as graph:
             gate.launch(mid, x, add=1)  # mid = 21, held at replay until the gate opens
-            await far.copy_from(mid)  # CPU:1 copy queue: must wait for the CPU kernel
+            await far.copy_from(mid)  # feeds the next kernel: folded into CPU:1's compute run
             axpb(out, far, vals=(4, 2, 0, 0), writes=(0,))  # CPU:1 compute: after the copy
+        assert [run.queue for run in graph._runs] == [
+            Device["CPU"].queues["compute"],
+            Device["CPU:1"].queues["compute"],
+        ]
         await replay_behind(
-            gate, graph, Device["CPU:1"].queues["copy"], "the graph's transfer, before its source"
+            gate, graph, Device["CPU:1"].queues["compute"], "the graph's transfer, before its source"
         )
     assert await contents(far) == [21] * 4
     assert await contents(out) == [42] * 4
+
+
+async def test_a_captured_transfer_next_to_unrelated_work_stays_on_the_copy_queue() -> None:
+    """Only a transfer feeding the next kernel on its device (or draining the previous one) is
+    folded into the compute run; one beside unrelated work keeps overlapping it."""
+    a = await int_buffer("CPU:1", 1, size=4)
+    b = await int_buffer("CPU:1", 0, size=4)
+    src = await int_buffer("CPU", 7, size=4)
+    dst = await int_buffer("CPU:1", 0, size=4)
+    axpb = await Device["CPU:1"].program("axpb", AXPB)
+    async with Device["CPU:1"].capture() as graph:
+        axpb(b, a, vals=(4, 2, 0, 0), writes=(0,))
+        await dst.copy_from(src)  # touches neither a nor b
+        axpb(a, b, vals=(4, 1, 1, 0), writes=(0,))
+    assert [run.queue for run in graph._runs] == [
+        Device["CPU:1"].queues["compute"],
+        Device["CPU:1"].queues["copy"],
+        Device["CPU:1"].queues["compute"],
+    ]
+    await graph.replay()
+    assert await contents(dst) == [7] * 4
+    assert await contents(a) == [3] * 4
 
 
 async def test_a_chain_replay_needs_no_join_and_fails_when_its_first_run_fails() -> None:

@@ -428,10 +428,16 @@ class CPUDevice(Compiled):
     async def _native_graph(self, entries: list[Any]) -> NativeRun | None:
         """Compile a run of captured raw C launches into one C function that calls each kernel
         with its recorded arguments (addresses come from arrays, so the code is cacheable)."""
+        transfer = self.allocator._transfer
         if not all(
-            isinstance(e.program, CPUProgram)
-            and e.queue is self._compute_queue
-            and e.fn is e.program.function(len(e.bufs), len(e.args) - len(e.bufs))
+            e.queue is self._compute_queue
+            and (
+                e.fn == transfer  # a transfer folded into the run (see Graph._fold_transfers)
+                or (
+                    isinstance(e.program, CPUProgram)
+                    and e.fn is e.program.function(len(e.bufs), len(e.args) - len(e.bufs))
+                )
+            )
             for e in entries
         ):
             return None
@@ -439,6 +445,15 @@ class CPUDevice(Compiled):
         flat: list[int] = []
         positions: dict[tuple[int, int], list[int]] = {}
         for i, entry in enumerate(entries):
+            if entry.fn == transfer:  # memmove(dest, src, nbytes): views of one buffer may overlap
+                base = len(flat)
+                dest, src, nbytes, _ = entry.args
+                flat.extend((dest.addr, src.addr, nbytes))
+                for b, slots in enumerate(entry.slots):
+                    positions[(i, b)] = [base + j for j, _ in slots]
+                d, s_, n = base, base + 1, base + 2
+                lines.append(f"  memmove((void *)a[{d}], (const void *)a[{s_}], (size_t)a[{n}]);")
+                continue
             nbufs = len(entry.bufs)
             params = ", ".join(["uintptr_t"] * nbufs + ["int32_t"] * (len(entry.args) - nbufs)) or "void"
             base = len(flat)
@@ -453,7 +468,7 @@ class CPUDevice(Compiled):
                 positions[(i, b)] = [base + j for j, _ in slots]
             lines.append(f"  ((void (*)({params}))f[{i}])({', '.join(call)});")
         src = (
-            "#include <stdint.h>\n"
+            "#include <stdint.h>\n#include <string.h>\n"
             "void graph_replay(const uintptr_t *restrict f, const uintptr_t *restrict a) {\n"
             + "\n".join(lines)
             + "\n}\n"
@@ -468,9 +483,12 @@ class CPUDevice(Compiled):
 
         return NativeRun(
             cfunc=_ffi.cast("void (*)(uintptr_t *, uintptr_t *)", replay._addr),
-            fns=_ffi.new("uintptr_t[]", [int(_ffi.cast("uintptr_t", e.program._addr)) for e in entries]),
+            fns=_ffi.new(
+                "uintptr_t[]",
+                [0 if e.fn == transfer else int(_ffi.cast("uintptr_t", e.program._addr)) for e in entries],
+            ),
             args=_ffi.new("uintptr_t[]", flat or [0]),
             positions=positions,
             copy_args=copy_args,
-            keep=(replay, [e.program for e in entries]),
+            keep=(replay, [e.program for e in entries if e.program is not None]),
         )
