@@ -175,22 +175,46 @@ async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -
     async with gate_on("CPU") as gate:
         async with Device["CPU"].capture() as graph:
             gate.launch(mid, x, add=1)  # mid = 21, held at replay until the gate opens
-            await far.copy_from(mid)  # feeds the next kernel: folded into CPU:1's compute run
+            await far.copy_from(mid)  # CPU:1 copy queue: must wait for the CPU kernel
             axpb(out, far, vals=(4, 2, 0, 0), writes=(0,))  # CPU:1 compute: after the copy
         assert [run.queue for run in graph._runs] == [
             Device["CPU"].queues["compute"],
+            Device["CPU:1"].queues["copy"],  # it feeds the next kernel: not folded into its run
             Device["CPU:1"].queues["compute"],
         ]
         await replay_behind(
-            gate, graph, Device["CPU:1"].queues["compute"], "the graph's transfer, before its source"
+            gate, graph, Device["CPU:1"].queues["copy"], "the graph's transfer, before its source"
         )
     assert await contents(far) == [21] * 4
     assert await contents(out) == [42] * 4
 
 
+async def test_a_transfer_draining_a_kernel_joins_its_run_and_waits_for_it() -> None:
+    """A transfer reading what the previous kernel on its device wrote is folded into that
+    kernel's compute run (one native command), which waits for the kernel's input."""
+    src = await int_buffer("CPU:1", 5, size=4)
+    mid = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    axpb = await Device["CPU:1"].program("axpb", AXPB)
+    async with Device["CPU:1"].capture(out=out) as graph:
+        axpb(mid, src, vals=(4, 2, 1, 0), writes=(0,))
+        await out.copy_from(mid)  # drains the kernel: same run
+    assert [run.queue for run in graph._runs] == [Device["CPU:1"].queues["compute"]]
+    assert graph._runs[0].native is not None
+    other = await int_buffer("CPU:1", 0, size=4)
+    async with gate_on("CPU:1") as gate:
+        gate.launch(src, src)  # an eager write of src, held
+        replayed = graph.replay(out=other)
+        gate.launched.append(replayed)
+        await assert_stays_pending(replayed, "a folded copy of a kernel waiting for its input")
+        gate.open()
+        await replayed
+    assert await contents(other) == [11] * 4  # the gate kernel leaves src as it was: 5 * 2 + 1
+
+
 async def test_a_captured_transfer_next_to_unrelated_work_stays_on_the_copy_queue() -> None:
-    """Only a transfer feeding the next kernel on its device (or draining the previous one) is
-    folded into the compute run; one beside unrelated work keeps overlapping it."""
+    """Only a transfer draining the previous kernel on its device is folded into the compute
+    run; one beside unrelated work keeps overlapping it."""
     a = await int_buffer("CPU:1", 1, size=4)
     b = await int_buffer("CPU:1", 0, size=4)
     src = await int_buffer("CPU", 7, size=4)
