@@ -113,12 +113,15 @@ def _call_cases() -> str:
 
 SOURCE = (
     r"""
+#define _GNU_SOURCE  /* sched_getcpu, sched_setaffinity */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #include <sched.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
 
 typedef uint64_t u64;
 #define CHUNK @CHUNK@
@@ -158,6 +161,11 @@ typedef struct {
     char pad2[32];
     pthread_mutex_t pmu;              /* producers */
     pthread_mutex_t mu; pthread_cond_t cv;  /* the consumer's sleep */
+    int32_t tid;                      /* the worker's thread id, once it ran (0 before) */
+    int32_t steered;                  /* a producer narrowed its CPU mask to wake it (see steer) */
+#ifdef __linux__
+    cpu_set_t home;                   /* the worker's own CPU mask */
+#endif
 } hq_t;
 _Static_assert(__builtin_offsetof(hq_t, submitted) == 64, "hq_t layout");
 _Static_assert(__builtin_offsetof(hq_t, wake_at) == 128, "hq_t layout");
@@ -192,9 +200,94 @@ void hq_free(hq_t *q) {
     free(q);
 }
 
+/* Spreading long commands over CPUs. Two workers woken together (a kernel and a copy on one
+   device's two queues, or two devices' stages) are often placed on one CPU by the kernel's
+   wake-up heuristics while the other CPU goes idle, and a thread that ran within the last half
+   millisecond counts as cache-hot, so the load balancer leaves them sharing for milliseconds
+   (sampled from /proc: both runnable on one CPU in every slow try). bench/pipeline.py's kernel
+   overlapped with a 32 MiB copy took 1.5-1.7x the longer of the two on a 2-core VM. So:
+   - every worker counts itself on its CPU (cpu_busy) while it runs a command;
+   - a producer waking a sleeping worker whose last command was long first narrows that
+     worker's mask to the CPUs where no worker runs (steer), and the worker, once awake, puts
+     its own mask back (unsteer): it is placed on a free CPU, then free to move again;
+   - before a long command, a worker that finds another worker's command on its CPU anyway
+     moves itself to a CPU where none runs, for that command only (spread_enter/_leave).
+   "Long": the queue's previous command took >= SPREAD_MIN_S; streams of tiny launches never
+   pay these system calls. Masks only ever narrow to CPUs of the worker's own mask (a user's
+   taskset is kept). Figures in BENCHMARKS.md; the pipeline is not changed by it (its stages
+   share a core with the event loop thread, which this does not count). */
+#define SPREAD_MIN_S 100e-6
+#ifdef __linux__
+static int32_t cpu_busy[CPU_SETSIZE];
+
+/* Count this worker on its CPU (moving first when it shares it, see above); returns the CPU
+   counted (-1: none) and sets *moved when the mask must be put back. */
+static int spread_enter(hq_t *q, int long_command, int *moved) {
+    int cpu = sched_getcpu();
+    *moved = 0;
+    if (cpu < 0 || cpu >= CPU_SETSIZE) return -1;
+    if (long_command && LOAD(&cpu_busy[cpu]) > 0) {
+        for (int c = 0; q->tid > 0 && c < CPU_SETSIZE; c++) {
+            if (c == cpu || !CPU_ISSET(c, &q->home) || LOAD(&cpu_busy[c]) > 0) continue;
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(c, &one);
+            if (sched_setaffinity(0, sizeof one, &one) == 0) {
+                *moved = 1;
+                cpu = sched_getcpu();
+                if (cpu < 0 || cpu >= CPU_SETSIZE) cpu = c;
+            }
+            break;
+        }
+    }
+    __atomic_add_fetch(&cpu_busy[cpu], 1, __ATOMIC_SEQ_CST);
+    return cpu;
+}
+
+static void spread_leave(hq_t *q, int cpu, int moved) {
+    if (cpu >= 0) __atomic_sub_fetch(&cpu_busy[cpu], 1, __ATOMIC_SEQ_CST);
+    if (moved) sched_setaffinity(0, sizeof q->home, &q->home);
+}
+
+/* The worker, awake: its own mask back (placed already, it is not moved by a wider mask). */
+static void unsteer(hq_t *q) {
+    if (LOAD(&q->steered)) {
+        STORE(&q->steered, 0);
+        sched_setaffinity(0, sizeof q->home, &q->home);
+    }
+}
+
+/* A producer waking a sleeping worker whose last command was long, while other workers run
+   commands: narrow the worker's mask to the CPUs where none runs first, so the kernel places it
+   on one of them. Without this the wake-up put it behind a running kernel on that kernel's CPU
+   (its previous CPU, and the waker's was busy too), where it waited for the kernel's time
+   slice while the other CPU went idle: the load balancer leaves a thread that ran within the
+   last half millisecond where it is. Called under the worker's sleep mutex while it sleeps
+   (so it sees `steered` when it wakes); the worker restores its mask as soon as it is awake. */
+static void steer(hq_t *q) {
+    int32_t tid = LOAD(&q->tid);
+    if (tid <= 0 || q->elapsed[LOAD(&q->completed) & ELAPSED_MASK] < SPREAD_MIN_S) return;
+    cpu_set_t mask = q->home;
+    int busy = 0, left = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &mask)) continue;
+        if (LOAD(&cpu_busy[c]) > 0) { CPU_CLR(c, &mask); busy = 1; } else left = 1;
+    }
+    if (busy && left && sched_setaffinity(tid, sizeof mask, &mask) == 0) STORE(&q->steered, 1);
+}
+#else
+static int spread_enter(hq_t *q, int long_command, int *moved) {
+    (void)q; (void)long_command; *moved = 0; return -1;
+}
+static void spread_leave(hq_t *q, int cpu, int moved) { (void)q; (void)cpu; (void)moved; }
+static void steer(hq_t *q) { (void)q; }
+static void unsteer(hq_t *q) { (void)q; }
+#endif
+
 static void wake(hq_t *q) {
     if (LOAD(&q->sleeping)) {
         pthread_mutex_lock(&q->mu);
+        if (LOAD(&q->sleeping)) steer(q);
         pthread_cond_signal(&q->cv);
         pthread_mutex_unlock(&q->mu);
     }
@@ -370,8 +463,13 @@ int64_t hq_set_wake(hq_t *q, int64_t value) {
 
 /* Run native commands in order until Python is needed; returns R_*. */
 int hq_run(hq_t *q) {
+#ifdef __linux__
+    if (!q->tid && sched_getaffinity(0, sizeof q->home, &q->home) == 0)
+        STORE(&q->tid, (int32_t)syscall(SYS_gettid));
+#endif
     for (;;) {
         hq_slot *s = next_slot(q);
+        unsteer(q);
         if (s->kind != K_NATIVE) return R_PY;
         if (LOAD(&q->halted)) return R_HALTED;
         if (s->ndeps) {
@@ -389,9 +487,12 @@ int hq_run(hq_t *q) {
             }
         }
         int64_t v = q->expected;
+        int moved = 0, cpu = -1;
+        if (s->fn) cpu = spread_enter(q, q->elapsed[(v - 1) & ELAPSED_MASK] >= SPREAD_MIN_S, &moved);
         double t0 = now();
         if (s->fn) call(s->fn, s->nargs, s->args);
         q->elapsed[v & ELAPSED_MASK] = now() - t0;
+        if (s->fn) spread_leave(q, cpu, moved);
         wlock(q);
         if (v >= LOAD(&q->wake_at)) { wunlock(q); return R_WAKE; }
         /* never backwards: a worker abandoned by stop() may finish after stop advanced past it */

@@ -8,6 +8,9 @@ no sleeps. A runtime that serialised the two would fail the bounded wait instead
 
 from __future__ import annotations
 
+import os
+import threading
+
 import anyio
 import numpy as np
 import pytest
@@ -125,3 +128,28 @@ async def test_a_large_copy_and_a_kernel_are_both_in_flight_at_once() -> None:
     view = big.view(16, dtypes.int32, 4096)
     assert await contents(view) == payload[1024:1040].tolist()
     assert await contents(out) == [2] * 4
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU masks are Linux-only")
+async def test_workers_keep_their_own_cpu_mask_after_long_overlapping_commands() -> None:
+    """Workers narrow their CPU mask to be placed away from a busy worker (native queue, long
+    commands) and must restore it: after kernels and copies overlapping for a while, every
+    worker thread's mask is the process's again."""
+    src = await int_buffer("CPU", 2, size=4)
+    out = await int_buffer("CPU", 0, size=4)
+    big = await int_buffer("CPU", 0, size=1 << 20)
+    payload = np.ones(1 << 20, np.int32)
+    for _ in range(3):
+        await big.copyin(payload)  # a long command on the copy queue
+        async with gate_on("CPU") as gate:
+            held = gate.launch(out, src)  # a busy compute worker
+            await done_while(big.copyin(payload), held, "a 4 MiB copyin")
+            gate.open()
+            await held
+    await rt.synchronize("CPU")
+    process = os.sched_getaffinity(0)
+    workers = [t for t in threading.enumerate() if t.name.startswith("aiotinyrt-CPU/")]
+    assert workers
+    for thread in workers:
+        assert thread.native_id is not None
+        assert os.sched_getaffinity(thread.native_id) == process, thread.name
