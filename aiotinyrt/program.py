@@ -419,6 +419,13 @@ class Signal:
     async def _settle(self, timeout: float | None = None) -> None:
         """Wait until done without raising the command's error (see :meth:`wait`)."""
         timeline, value = self.timeline, self.value
+        if timeline.completed < value and timeline._lib is not None and _POLL_S > 0:
+            # A native command just submitted to an awake worker is often done a few
+            # microseconds later; polling that long (the worker needs no GIL) is far cheaper
+            # than a waiter, a sleep and a wake-up of the loop (see _POLL_S).
+            deadline = time.perf_counter() + _POLL_S
+            while timeline.completed < value and time.perf_counter() < deadline:
+                pass
         if timeline.completed >= value:
             await anyio.lowlevel.checkpoint()
             return
@@ -440,6 +447,11 @@ class Signal:
                     )
         finally:
             waiter.callback = None
+
+
+#: How long ``await sig`` polls a native queue before registering a waiter (seconds; env
+#: ``WAIT_POLL_US``, default 10). Read once at import.
+_POLL_S = getenv("WAIT_POLL_US", 10) / 1e6
 
 
 def wait_in_thread(signals: Sequence[Signal]) -> None:
