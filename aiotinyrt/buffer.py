@@ -307,9 +307,12 @@ class Buffer:
     async def copyin(self, src: object) -> Buffer:
         """Copy host data (anything with the buffer protocol, exactly ``nbytes`` long) in.
 
-        Ordered after pending work on this memory; runs on the device's copy queue.
+        Ordered after pending work on this memory; runs on the device's copy queue, or, for at
+        most ``allocator.inline_copy_bytes`` into memory no pending command touches, on the
+        calling thread after one checkpoint (see docs/architecture.md, Memory).
 
-        Cancellation: cancels the wait only; the copy completes, reading ``src`` (kept alive).
+        Cancellation: a queued copy: cancels the wait only; the copy completes, reading ``src``
+        (kept alive). An inline one is cancelled at its checkpoint, before anything is copied.
         """
         data = self._check_host(src, writable=False, what="copyin source")
         handle = self.handle()
@@ -317,6 +320,7 @@ class Buffer:
         alloc = device.allocator
         if data.nbytes <= alloc.inline_copy_bytes and self._idle(True) and device._healthy():
             await anyio.lowlevel.checkpoint()  # (cancelled here: nothing was copied)
+            handle = self.handle()  # freed meanwhile: the use-after-free error, nothing copied
             if self._idle(True) and device._healthy():  # (still: the checkpoint let others run)
                 alloc._copyin(handle, data)
                 return self
@@ -333,9 +337,11 @@ class Buffer:
     async def copyout(self, dest: object) -> None:
         """Copy the contents into writable host memory of exactly ``nbytes``.
 
-        Ordered after pending writes to this memory; runs on the device's copy queue.
+        Ordered after pending writes to this memory; runs on the device's copy queue, or inline
+        for small copies of memory nothing pending writes (as :meth:`copyin`).
 
-        Cancellation: cancels the wait only; the copy completes and writes into ``dest``.
+        Cancellation: a queued copy: cancels the wait only; the copy completes and writes into
+        ``dest``. An inline one is cancelled at its checkpoint, before anything is copied.
         """
         data = self._check_host(dest, writable=True, what="copyout destination")
         handle = self.handle()
@@ -344,6 +350,7 @@ class Buffer:
         alloc.check_copyout()
         if data.nbytes <= alloc.inline_copy_bytes and self._idle(False) and device._healthy():
             await anyio.lowlevel.checkpoint()  # (cancelled here: nothing was copied)
+            handle = self.handle()  # freed meanwhile: the use-after-free error, nothing read
             if self._idle(False) and device._healthy():
                 alloc._copyout(data, handle)
                 return

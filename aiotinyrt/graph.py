@@ -279,8 +279,11 @@ class Graph:
             run.queue.device._check_open()
         plans = self._plans_for(subs)
         signals: list[Signal] = []
-        #: per run, this replay's signals it waits for, directly or through those it waits for
+        #: per run, the indices of this replay's runs it waits for, directly or through others
         waited: list[set[int]] = []
+        #: id -> index of this replay's signals (all alive in `signals`, so ids are unique; an
+        #: outside dependency, alive in `deps` while it is looked up, cannot share one)
+        index_of: dict[int, int] = {}
         for run, (fn, args, touched, keep, command) in zip(self._runs, plans, strict=True):
             queue = run.queue
             timeline = queue.timeline
@@ -294,17 +297,20 @@ class Graph:
             sig = queue.submit_either(command, fn, args, tuple(deps), keep)
             for buf, write in touched:
                 buf.record(sig, write)
-            covered = {id(dep) for dep in deps}
-            for r, earlier in enumerate(signals):
-                if id(earlier) in covered:
+            covered: set[int] = set()
+            for dep in deps:
+                r = index_of.get(id(dep))
+                if r is not None:
+                    covered.add(r)
                     covered |= waited[r]
             waited.append(covered)
+            index_of[id(sig)] = len(signals)
             signals.append(sig)
         if len(signals) == 1:
             return signals[0]
         last = self._runs[-1].queue
         others = tuple(s for s in signals[:-1] if s.timeline is not last.timeline)
-        if all(id(s) in waited[-1] for s in others):
+        if all(r in waited[-1] for r, s in enumerate(signals[:-1]) if s.timeline is not last.timeline):
             # The last run waits for every other one (through the data it reads, e.g. stage 1 ->
             # transfer -> stage 2 -> copy out), and a dependency's failure fails its dependents:
             # its signal already stands for the whole replay, no joining command is needed.

@@ -163,8 +163,9 @@ typedef struct {
     pthread_mutex_t mu; pthread_cond_t cv;  /* the consumer's sleep */
     int32_t tid;                      /* the worker's thread id, once it ran (0 before) */
     int32_t steered;                  /* a producer narrowed its CPU mask to wake it (see steer) */
+    int32_t pid;                      /* the process the worker runs in (tid is only valid there) */
 #ifdef __linux__
-    cpu_set_t home;                   /* the worker's own CPU mask */
+    cpu_set_t home;                   /* the worker's mask before the latest narrowing */
 #endif
 } hq_t;
 _Static_assert(__builtin_offsetof(hq_t, submitted) == 64, "hq_t layout");
@@ -213,9 +214,10 @@ void hq_free(hq_t *q) {
    - before a long command, a worker that finds another worker's command on its CPU anyway
      moves itself to a CPU where none runs, for that command only (spread_enter/_leave).
    "Long": the queue's previous command took >= SPREAD_MIN_S; streams of tiny launches never
-   pay these system calls. Masks only ever narrow to CPUs of the worker's own mask (a user's
-   taskset is kept). Figures in BENCHMARKS.md; the pipeline is not changed by it (its stages
-   share a core with the event loop thread, which this does not count). */
+   pay these system calls. Masks only ever narrow within the worker's mask as read just before
+   (a user's taskset, even one set after start, is what is put back). Figures in BENCHMARKS.md;
+   the pipeline is not changed by it (its stages share a core with the event loop thread, which
+   this does not count). */
 #define SPREAD_MIN_S 100e-6
 #ifdef __linux__
 static int32_t cpu_busy[CPU_SETSIZE];
@@ -226,8 +228,9 @@ static int spread_enter(hq_t *q, int long_command, int *moved) {
     int cpu = sched_getcpu();
     *moved = 0;
     if (cpu < 0 || cpu >= CPU_SETSIZE) return -1;
-    if (long_command && LOAD(&cpu_busy[cpu]) > 0) {
-        for (int c = 0; q->tid > 0 && c < CPU_SETSIZE; c++) {
+    if (long_command && LOAD(&cpu_busy[cpu]) > 0
+        && sched_getaffinity(0, sizeof q->home, &q->home) == 0) {  /* its mask now, to put back */
+        for (int c = 0; c < CPU_SETSIZE; c++) {
             if (c == cpu || !CPU_ISSET(c, &q->home) || LOAD(&cpu_busy[c]) > 0) continue;
             cpu_set_t one;
             CPU_ZERO(&one);
@@ -267,6 +270,8 @@ static void unsteer(hq_t *q) {
 static void steer(hq_t *q) {
     int32_t tid = LOAD(&q->tid);
     if (tid <= 0 || q->elapsed[LOAD(&q->completed) & ELAPSED_MASK] < SPREAD_MIN_S) return;
+    if (q->pid != (int32_t)getpid()) return;  /* a forked child: that thread is the parent's */
+    if (sched_getaffinity(tid, sizeof q->home, &q->home) != 0) return;  /* its mask now */
     cpu_set_t mask = q->home;
     int busy = 0, left = 0;
     for (int c = 0; c < CPU_SETSIZE; c++) {
@@ -464,8 +469,10 @@ int64_t hq_set_wake(hq_t *q, int64_t value) {
 /* Run native commands in order until Python is needed; returns R_*. */
 int hq_run(hq_t *q) {
 #ifdef __linux__
-    if (!q->tid && sched_getaffinity(0, sizeof q->home, &q->home) == 0)
+    if (!q->tid) {
+        q->pid = (int32_t)getpid();
         STORE(&q->tid, (int32_t)syscall(SYS_gettid));
+    }
 #endif
     for (;;) {
         hq_slot *s = next_slot(q);

@@ -413,6 +413,29 @@ async def test_small_copies_of_idle_memory_run_inline_and_the_rest_are_queued() 
         await b.free()
 
 
+@pytest.mark.parametrize("direction", ["copyin", "copyout"])
+async def test_a_small_copy_whose_buffer_is_freed_at_its_checkpoint_raises_use_after_free(
+    monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    """The inline path yields once before copying; a free by another task in that window must
+    give the use-after-free error, not a memcpy into memory that is cached or unmapped."""
+    buf = await Buffer("CPU", 4, dtypes.int32).allocate()
+    in_use = Device["CPU"].allocator.statistics().bytes_in_use
+    real = anyio.lowlevel.checkpoint
+
+    async def free_then_checkpoint() -> None:
+        monkeypatch.setattr(anyio.lowlevel, "checkpoint", real)
+        buf.free_nowait()  # what a task running at this checkpoint may do
+        await real()
+
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", free_then_checkpoint)
+    host = np.full(4, 7, np.int32)
+    with pytest.raises(RuntimeError, match="use after free"):
+        await (buf.copyin(host) if direction == "copyin" else buf.copyout(host))
+    assert Device["CPU"].allocator.statistics().bytes_in_use == in_use - buf.nbytes
+    assert host.tolist() == [7] * 4
+
+
 async def test_kernel_is_ordered_after_a_pending_copy_on_the_copy_queue() -> None:
     copy1 = await Device["CPU"].program("copy1", COPY1)
     async with gate_on("CPU:1") as gate:
