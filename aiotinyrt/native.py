@@ -271,6 +271,9 @@ static void steer(hq_t *q) {
     int32_t tid = LOAD(&q->tid);
     if (tid <= 0 || q->elapsed[LOAD(&q->completed) & ELAPSED_MASK] < SPREAD_MIN_S) return;
     if (q->pid != (int32_t)getpid()) return;  /* a forked child: that thread is the parent's */
+    /* Narrowed already by an earlier push it has not woken up for: `home` holds its own mask,
+       and reading the narrowed one into `home` would leave it narrowed for good. */
+    if (LOAD(&q->steered)) return;
     if (sched_getaffinity(tid, sizeof q->home, &q->home) != 0) return;  /* its mask now */
     cpu_set_t mask = q->home;
     int busy = 0, left = 0;
