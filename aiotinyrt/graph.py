@@ -78,10 +78,6 @@ class NativeRun:
     copy_args: Callable[[Any], Any]
     keep: Any
 
-    @property
-    def call_args(self) -> tuple[Any, Any]:
-        return (self.fns, self.args)
-
     def command(self, args: Any) -> _Command:
         """``(fn, nargs, block, keep)``: this replay as one command of a native queue."""
         ffi = native.ffi
@@ -102,8 +98,6 @@ class _Run:
     accesses: list[tuple[Buffer, bool]] = field(default_factory=list)  # distinct buffers, written?
     calls: list[tuple[Callable[..., object], tuple[Any, ...]]] = field(default_factory=list)
     after: list[int] = field(default_factory=list)  # earlier runs it waits for (wait_for)
-    # the replay plan without substitutions, once built: see Graph._plan
-    plain: _Plan | None = None
     # a run of one transfer whose allocator has a native form (CPU memmove): that allocator
     transfer: Any = None
 
@@ -309,14 +303,14 @@ class Graph:
         if len(signals) == 1:
             return signals[0]
         last = self._runs[-1].queue
-        others = tuple(s for s in signals[:-1] if s.timeline is not last.timeline)
-        if all(r in waited[-1] for r, s in enumerate(signals[:-1]) if s.timeline is not last.timeline):
+        others = [r for r, s in enumerate(signals[:-1]) if s.timeline is not last.timeline]
+        if all(r in waited[-1] for r in others):
             # The last run waits for every other one (through the data it reads, e.g. stage 1 ->
             # transfer -> stage 2 -> copy out), and a dependency's failure fails its dependents:
             # its signal already stands for the whole replay, no joining command is needed.
             return signals[-1]
         # (natively: a command that runs nothing, once the others are done)
-        return last.submit_either((0, 0, 0, None), _join, (), others, None)
+        return last.submit_either((0, 0, 0, None), _join, (), tuple(signals[r] for r in others), None)
 
     __call__ = replay
 
@@ -330,8 +324,6 @@ class Graph:
         holds the Buffer objects, not their memory: ``free()`` releases memory as always, and a
         freed buffer makes its plans be rebuilt, which raises the use-after-free error.
         """
-        if not subs:
-            return [self._plan(run, {}) for run in self._runs]
         # (ids are safe as a key: the entry holds the buffers, so no other object has their id)
         key = tuple((name, id(buf)) for name, buf in subs.items())
         cached = self._plan_cache.get(key)
@@ -343,7 +335,7 @@ class Graph:
             else:
                 return plans
             del self._plan_cache[key]
-        swap = self._substitutions(subs)
+        swap = self._substitutions(subs) if subs else {}
         plans = [self._plan(run, swap) for run in self._runs]
         if len(self._plan_cache) >= _PLAN_CACHE:
             self._plan_cache.clear()
@@ -356,7 +348,9 @@ class Graph:
 
     def _plan(self, run: _Run, swap: dict[int, Buffer]) -> _Plan:
         """``(fn, args, accesses, keep, command)``: ``fn(*args)`` runs the run on its queue's
-        worker, ``command`` (native runs only) is the same as a native queue command."""
+        worker, ``command`` (native runs; transfers with a native form) is the same as a native
+        queue command. Built once per substitution set (see :meth:`_plans_for`)."""
+        accesses = run.accesses
         if swap:
             merged: dict[int, tuple[Buffer, bool]] = {}
             for buf, write in run.accesses:
@@ -364,27 +358,11 @@ class Graph:
                 previous = merged.get(id(actual))
                 merged[id(actual)] = (actual, write or (previous is not None and previous[1]))
             accesses = list(merged.values())
-        else:
-            accesses = run.accesses
         for actual, _ in accesses:
             base = actual._base or actual
             if actual._freed or base._freed or base._handle is None:
                 actual.handle()  # raises the use-after-free / unallocated error
         native = run.native
-        if not swap:
-            if run.plain is None:  # the same every time: built once
-                run.plain = (
-                    (native.cfunc, native.call_args, accesses, (run, native), native.command(native.args))
-                    if native is not None
-                    else (
-                        _run_calls,
-                        (run.calls,),
-                        accesses,
-                        (run, accesses),
-                        _transfer_command(run, run.calls),
-                    )
-                )
-            return run.plain
         if native is not None:
             args = native.args
             if swap:
@@ -397,20 +375,18 @@ class Graph:
                             args[slot] = addr
             keep = (run, native, args, accesses)
             return native.cfunc, (native.fns, args), accesses, keep, native.command(args)
-        if not swap:
-            return _run_calls, (run.calls,), accesses, (run, accesses), None
-        calls = []
-        for entry in run.entries:
-            call_args = entry.args
-            if swap:
-                call_args = list(call_args)
+        calls = run.calls
+        if swap:
+            calls = []
+            for entry in run.entries:
+                call_args = list(entry.args)
                 for b, buf in enumerate(entry.bufs):
                     new = _swapped(buf, swap)
                     if new is not None:
                         new_handle = new.handle()
                         for slot, is_ptr in entry.slots[b]:
                             call_args[slot] = new_handle.ptr if is_ptr else new_handle
-            calls.append((entry.fn, tuple(call_args)))
+                calls.append((entry.fn, tuple(call_args)))
         return _run_calls, (calls,), accesses, (run, accesses), _transfer_command(run, calls)
 
 
