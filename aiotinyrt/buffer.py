@@ -19,6 +19,7 @@ using it completes (immediately if none is pending). Views of a freed base becom
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -223,36 +224,25 @@ class Buffer:
         self._handle = self.device_obj.allocator._offset(base._handle, self.nbytes, self.offset)
         return self._handle
 
+    def _conflicts(self, write: bool) -> Iterator[Signal]:
+        """Pending commands (any queue) a new access to these bytes must follow: for a write,
+        every pending access of overlapping bytes; for a read, the pending writes."""
+        start = self.offset
+        end = start + self.nbytes
+        for a_start, a_end, sig, a_write in self.base._accesses:
+            if (a_write or write) and a_start < end and start < a_end and sig.timeline.completed < sig.value:
+                yield sig
+
     def dependencies(self, timeline: Timeline, write: bool) -> list[Signal]:
         """Signals on other timelines that a new access on ``timeline`` must wait for."""
-        accesses = self.base._accesses
-        if not accesses:
+        if not self.base._accesses:
             return []
-        start = self.offset
-        end = start + self.nbytes
-        return [
-            sig
-            for a_start, a_end, sig, a_write in accesses
-            if (a_write or write)
-            and a_start < end
-            and start < a_end
-            and sig.timeline is not timeline
-            and sig.timeline.completed < sig.value
-        ]
+        return [sig for sig in self._conflicts(write) if sig.timeline is not timeline]
 
     def _idle(self, write: bool) -> bool:
-        """No pending command on any queue conflicts with a new access to these bytes (a write
-        conflicts with every pending access, a read with pending writes): an access now, on
-        the calling thread, is ordered exactly as one queued now would be."""
-        accesses = self.base._accesses
-        if not accesses:
-            return True
-        start = self.offset
-        end = start + self.nbytes
-        for a_start, a_end, sig, a_write in accesses:
-            if (a_write or write) and a_start < end and start < a_end and sig.timeline.completed < sig.value:
-                return False
-        return True
+        """No pending command on any queue conflicts with a new access to these bytes: an access
+        now, on the calling thread, is ordered exactly as one queued now would be."""
+        return not self.base._accesses or next(self._conflicts(write), None) is None
 
     def record(self, sig: Signal, write: bool) -> None:
         """Remember that the command of ``sig`` reads or writes this buffer's bytes."""
@@ -304,6 +294,27 @@ class Buffer:
             raise ValueError(f"{what} has {data.nbytes} bytes but {self!r} has {self.nbytes} bytes")
         return data
 
+    async def _copy_inline(self, data: memoryview, into: bool) -> bool:
+        """The entry of :meth:`copyin` (``into``) and :meth:`copyout`: their checkpoint, and the
+        copy itself when it is small (``allocator.inline_copy_bytes``) and no pending command
+        touches the bytes, run on the calling thread; False when the caller must queue it.
+
+        Cancellation: the checkpoint; cancelled there, nothing was copied."""
+        device = self.device_obj
+        alloc = device.allocator
+        if data.nbytes > alloc.inline_copy_bytes or not self._idle(into) or not device._healthy():
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return False
+        await anyio.lowlevel.checkpoint()
+        handle = self.handle()  # freed meanwhile: the use-after-free error, nothing copied
+        if not (self._idle(into) and device._healthy()):  # (the checkpoint let others run)
+            return False
+        if into:
+            alloc._copyin(handle, data)
+        else:
+            alloc._copyout(data, handle)
+        return True
+
     async def copyin(self, src: object) -> Buffer:
         """Copy host data (anything with the buffer protocol, exactly ``nbytes`` long) in.
 
@@ -315,17 +326,12 @@ class Buffer:
         (kept alive). An inline one is cancelled at its checkpoint, before anything is copied.
         """
         data = self._check_host(src, writable=False, what="copyin source")
+        self.handle()  # (unallocated or freed: the error before anything else)
+        if await self._copy_inline(data, into=True):
+            return self
         handle = self.handle()
         device = self.device_obj
         alloc = device.allocator
-        if data.nbytes <= alloc.inline_copy_bytes and self._idle(True) and device._healthy():
-            await anyio.lowlevel.checkpoint()  # (cancelled here: nothing was copied)
-            handle = self.handle()  # freed meanwhile: the use-after-free error, nothing copied
-            if self._idle(True) and device._healthy():  # (still: the checkpoint let others run)
-                alloc._copyin(handle, data)
-                return self
-        else:
-            await anyio.lowlevel.checkpoint_if_cancelled()
         queue = device._copy_queue
         deps = tuple(self.dependencies(queue.timeline, True))
         call = alloc._native_copyin(handle, data) if queue.native else None
@@ -344,18 +350,13 @@ class Buffer:
         ``dest``. An inline one is cancelled at its checkpoint, before anything is copied.
         """
         data = self._check_host(dest, writable=True, what="copyout destination")
+        self.handle()  # (unallocated or freed: the error before anything else)
+        self.device_obj.allocator.check_copyout()
+        if await self._copy_inline(data, into=False):
+            return
         handle = self.handle()
         device = self.device_obj
         alloc = device.allocator
-        alloc.check_copyout()
-        if data.nbytes <= alloc.inline_copy_bytes and self._idle(False) and device._healthy():
-            await anyio.lowlevel.checkpoint()  # (cancelled here: nothing was copied)
-            handle = self.handle()  # freed meanwhile: the use-after-free error, nothing read
-            if self._idle(False) and device._healthy():
-                alloc._copyout(data, handle)
-                return
-        else:
-            await anyio.lowlevel.checkpoint_if_cancelled()
         queue = device._copy_queue
         deps = tuple(self.dependencies(queue.timeline, False))
         call = alloc._native_copyout(data, handle) if queue.native else None
