@@ -239,10 +239,10 @@ class TwoStagePipeline:
 
         async def collect(upto: int) -> None:
             """Read outputs ``len(outputs)`` .. ``upto``, all done once ``upto`` is."""
-            newest = await outs[upto % ring].as_memoryview()  # the one wait
+            newest = await read(outs[upto % ring])  # the one wait
             while len(outputs) < upto:
                 outputs.append(await read(outs[len(outputs) % ring]))  # (done: no wait)
-            outputs.append(np.frombuffer(newest, dtype=np.float32).copy())
+            outputs.append(newest)
 
         for i, batch in enumerate(batches):
             k = i % ring
