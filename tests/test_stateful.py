@@ -458,7 +458,14 @@ class RuntimeMachine(RuleBasedStateMachine):
     def timelines_consistent(self) -> None:
         for name in DEVICES:
             for q in Device[name].queues.values():
-                assert 0 <= q.queued() == q.timeline.submitted - q.timeline.completed
+                # Workers may complete commands between the reads: `completed` only grows and
+                # nothing is submitted meanwhile (this runs on the loop thread), so reading it
+                # first bounds what queued() can see.
+                completed = q.timeline.completed
+                queued = q.queued()
+                submitted = q.timeline.submitted
+                assert 0 <= queued <= submitted - completed
+                assert q.timeline.completed <= submitted
 
     # ---- the end of an example ----------------------------------------------------------------------
     def teardown(self) -> None:
