@@ -61,6 +61,12 @@ _Plan = tuple[Callable[..., object], tuple[Any, ...], list[tuple["Buffer", bool]
 
 #: How many substitution sets a graph remembers the replay plans of (see Graph._plans_for).
 _PLAN_CACHE = 64
+#: The C replay's limit (REPLAY_MAX_RUNS in native.SOURCE); larger graphs replay in Python.
+_FAST_MAX_RUNS = 32
+#: ``(replay, runs)``: the C replay and its argument (see Graph._fast_plan).
+_Fast = tuple[Callable[[tuple[Any, ...]], Any], tuple[Any, ...]]
+#: A plan cache entry: the plans, the buffers they use, the C replay's form (see Graph._plans_for).
+_Cached = tuple[list[_Plan], tuple["Buffer", ...], _Fast | None]
 
 
 @dataclass
@@ -112,7 +118,7 @@ class Graph:
         self._sealed = False
         self._timeline = Timeline("capture", "graph")
         #: replay plans by substitution set (see _plans_for)
-        self._plan_cache: dict[tuple[tuple[str, int], ...], tuple[list[_Plan], tuple[Buffer, ...]]] = {}
+        self._plan_cache: dict[tuple[tuple[str, int], ...], _Cached] = {}
         for name, buf in named.items():
             self.name(name, buf)
 
@@ -271,7 +277,17 @@ class Graph:
             raise RuntimeError("the graph is empty: nothing was launched while capturing")
         for run in self._runs:
             run.queue.device._check_open()
-        plans = self._plans_for(subs)
+        plans, fast = self._plans_for(subs)
+        if fast is not None:
+            # in C when every run is a native command and every access it waits for can be
+            # waited for there (see native.replayer): the same steps as below, in the same order
+            out = fast[0](fast[1])
+            if isinstance(out, Signal):
+                return out  # (the last run's signal stands for the replay, see below)
+            if out is not None:
+                last = self._runs[-1].queue
+                joined = tuple(sig for sig in out[:-1] if sig.timeline is not last.timeline)
+                return last.submit_either((0, 0, 0, None), _join, (), joined, None)
         signals: list[Signal] = []
         #: per run, the indices of this replay's runs it waits for, directly or through others
         waited: list[set[int]] = []
@@ -314,8 +330,9 @@ class Graph:
 
     __call__ = replay
 
-    def _plans_for(self, subs: dict[str, Buffer]) -> list[_Plan]:
-        """Every run's plan for these substitutions (see :meth:`_plan`).
+    def _plans_for(self, subs: dict[str, Buffer]) -> tuple[list[_Plan], _Fast | None]:
+        """Every run's plan for these substitutions (see :meth:`_plan`), and the same for the
+        C replay when it applies (see :meth:`_fast_plan`).
 
         Plans for a set of substitute buffers are remembered (up to ``_PLAN_CACHE`` sets, keyed
         by the buffers' identities, in keyword order): a pipeline cycling through its slots then
@@ -328,12 +345,12 @@ class Graph:
         key = tuple((name, id(buf)) for name, buf in subs.items())
         cached = self._plan_cache.get(key)
         if cached is not None:
-            plans, kept = cached
+            plans, kept, fast = cached
             for buf in kept:
                 if buf._freed or (buf._base is not None and buf._base._freed):
                     break
             else:
-                return plans
+                return plans, fast
             del self._plan_cache[key]
         swap = self._substitutions(subs) if subs else {}
         plans = [self._plan(run, swap) for run in self._runs]
@@ -343,8 +360,37 @@ class Graph:
         for plan in plans:
             for buf, _ in plan[2]:
                 used[id(buf)] = buf
-        self._plan_cache[key] = (plans, tuple(used.values()))
-        return plans
+        fast = self._fast_plan(plans)
+        self._plan_cache[key] = (plans, tuple(used.values()), fast)
+        return plans, fast
+
+    def _fast_plan(self, plans: list[_Plan]) -> _Fast | None:
+        """``(replay, runs)`` for the extension module's C replay (``native.replayer``): every
+        run's queue, command, what it holds and the bytes it touches, in the form C reads; None
+        when a run has no native command, a queue is not native, or there is no extension
+        module. C still declines (and the Python path runs) when an access it would wait for
+        cannot be waited for there."""
+        from aiotinyrt.buffer import Buffer
+
+        if len(plans) > _FAST_MAX_RUNS or any(command is None for *_, command in plans):
+            return None
+        if not all(run.queue.native for run in self._runs):
+            return None
+        replay = native.replayer(Signal, Buffer)
+        if replay is None:
+            return None
+        runs = []
+        for run, (_, _, touched, keep, command) in zip(self._runs, plans, strict=True):
+            assert command is not None
+            queue = run.queue
+            uses = tuple(
+                (buf, buf._base or buf, buf.offset, buf.offset + buf.nbytes, write, buf._base is None)
+                for buf, write in touched
+            )
+            hold = (command[3], keep)  # (one object per plan: consecutive replays extend its hold)
+            fn, nargs, block, _ = command
+            runs.append((queue, queue.timeline, queue._caddr, fn, nargs, block, hold, uses, tuple(run.after)))
+        return replay, tuple(runs)
 
     def _plan(self, run: _Run, swap: dict[int, Buffer]) -> _Plan:
         """``(fn, args, accesses, keep, command)``: ``fn(*args)`` runs the run on its queue's

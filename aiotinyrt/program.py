@@ -602,10 +602,8 @@ class HostQueue:
             with self._dep_lock:  # the worker's R_DEPS look-up must find the entry
                 value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block, len(deps), address)
                 waiting[value] = on
-            if len(waiting) > 64:  # forget those that ran (R_DEPS pops only suspects)
-                completed = self._c.completed
-                for done in [v for v in list(waiting) if v <= completed]:
-                    waiting.pop(done, None)
+            if len(waiting) > 64:
+                self._prune_deps()
             self._hold(value, (keep, pairs, on))  # the timelines own the C queues it reads
         else:
             value = self._push(self._caddr, native.K_NATIVE, fn, nargs, block)
@@ -620,6 +618,13 @@ class HostQueue:
         sig._error = None
         sig._elapsed = None
         return sig
+
+    def _prune_deps(self) -> None:
+        """Forget the dependencies of commands that ran (R_DEPS pops only suspects)."""
+        waiting = self._dep_sigs
+        completed = self._c.completed
+        for done in [v for v in list(waiting) if v <= completed]:
+            waiting.pop(done, None)
 
     def submit_either(
         self,

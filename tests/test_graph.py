@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes
+from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes, native
 from aiotinyrt.graph import Graph
 from aiotinyrt.program import HostQueue
 from tests.test_faults import FAULTY, inject_failure
@@ -127,6 +127,74 @@ async def test_replay_with_substituted_inputs_and_outputs_equals_eager_execution
     await far.copy_from(mid)
     await progs["CPU:1"](eager_out, far, vals=(size, 3, 0, 0), writes=(0,))
     assert await contents(eager_out) == await contents(outs[-1])
+
+
+def refuse(what: str) -> Callable[..., object]:
+    def refused(*args: object, **kwargs: object) -> object:
+        raise AssertionError(f"{what} ran: the replay was not submitted by C")
+
+    return refused
+
+
+def c_replay_or_skip() -> None:
+    if native.replayer(Signal, Buffer) is None:
+        pytest.skip("the C replay is part of the extension module, built only with Python's headers")
+
+
+async def test_a_native_replay_is_submitted_by_c_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run native (kernel, transfer, kernel): C pushes all of them, with their
+    dependencies between the devices and on the previous replay's use of mid and far, and no
+    Python submission path runs; each replay still computes what eager execution does."""
+    c_replay_or_skip()
+    progs = await axpb_programs()
+    size = 64
+    mid = await int_buffer("CPU", 0, size=size)
+    far = await int_buffer("CPU:1", 0, size=size)
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(0, 0xFFFF, size, dtype=np.int32) for _ in range(6)]
+    xs = [await int_buffer("CPU", values) for values in inputs]
+    outs = [await int_buffer("CPU:1", 0, size=size) for _ in inputs]
+    graph = await capture_chain(progs, xs[0], mid, far, outs[0], spin=2000)
+    for name in ("submit_either", "submit_native", "submit"):
+        monkeypatch.setattr(HostQueue, name, refuse(f"HostQueue.{name}"))
+    signals = [graph.replay(x=xi, out=oi) for xi, oi in zip(xs, outs, strict=True)]
+    for sig in signals:
+        await sig
+    for values, oi in zip(inputs, outs, strict=True):
+        assert await contents(oi) == chain_expected(values)
+
+
+async def test_a_replay_c_cannot_wait_for_runs_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An access C cannot wait for (a signal carrying a Python error) makes the C replay decline
+    before pushing anything; the Python path then submits the replay, which still computes the
+    right result."""
+    c_replay_or_skip()
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", np.arange(4))
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    graph = await capture_chain(progs, x, mid, far, out)
+    await graph.replay()  # (plans built and cached)
+    timeline = Device["CPU"].queues["compute"].timeline
+    odd = Signal(timeline, timeline.completed)  # done, but with an error Python must look at
+    odd._error = RuntimeError("an error only Python knows")
+    x.record(odd, False)
+    before = submitted()
+    calls: list[HostQueue] = []
+    either = HostQueue.submit_either
+
+    def counted(queue: HostQueue, *args: object) -> Signal:
+        calls.append(queue)
+        return either(queue, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HostQueue, "submit_either", counted)
+    replayed = graph.replay()
+    # every run (and a join, when a run it covers is already done) went through Python
+    assert [q for q in calls[: len(graph._runs)]] == [run.queue for run in graph._runs]
+    assert sum(submitted()) - sum(before) == len(calls)
+    await replayed
+    assert await contents(out) == chain_expected(np.arange(4, dtype=np.int32))
 
 
 async def test_replay_substitutes_views_of_a_named_buffer() -> None:
