@@ -315,6 +315,52 @@ class Buffer:
             alloc._copyout(data, handle)
         return True
 
+    def copyin_nowait(self, src: object) -> None:
+        """Copy host data in now, on the calling thread, without waiting and without a checkpoint:
+        the inline copy of :meth:`copyin`, for callers that know the memory is idle (e.g. a ring
+        of input buffers whose last readers are known to be done) and want no trip through the
+        event loop per copy.
+
+        Raises ``anyio.WouldBlock`` (nothing copied) when the copy cannot run now: a pending
+        command touches these bytes, it is larger than ``allocator.inline_copy_bytes``, or the
+        backend's memory is not host memory (``inline_copy_bytes`` is 0); ``await copyin`` then
+        orders it. Raises the device's ``DeviceError`` if it is closed or holds a sticky error,
+        and the errors of :meth:`copyin` for bad arguments. Not a coroutine.
+        """
+        data = self._check_host(src, writable=False, what="copyin source")
+        self._copy_now(data, into=True)
+
+    def copyout_nowait(self, dest: object) -> None:
+        """Copy the contents into writable host memory now, without waiting and without a
+        checkpoint (see :meth:`copyin_nowait`). Raises ``anyio.WouldBlock`` (nothing copied) when
+        a pending command writes these bytes or the copy cannot run on the calling thread."""
+        data = self._check_host(dest, writable=True, what="copyout destination")
+        self.handle()
+        self.device_obj.allocator.check_copyout()
+        self._copy_now(data, into=False)
+
+    def _copy_now(self, data: memoryview, into: bool) -> None:
+        handle = self.handle()  # (unallocated or freed: the error before anything else)
+        device = self.device_obj
+        device._check_open()
+        if device._error is not None:
+            raise device._error
+        alloc = device.allocator
+        if data.nbytes > alloc.inline_copy_bytes:
+            raise anyio.WouldBlock(
+                f"{self!r}: a copy of {data.nbytes} bytes does not run on the calling thread "
+                f"(at most {alloc.inline_copy_bytes} here); await copy{'in' if into else 'out'}()"
+            )
+        if not self._idle(into):
+            raise anyio.WouldBlock(
+                f"{self!r}: pending commands {'use' if into else 'write'} these bytes; "
+                f"await copy{'in' if into else 'out'}()"
+            )
+        if into:
+            alloc._copyin(handle, data)
+        else:
+            alloc._copyout(data, handle)
+
     async def copyin(self, src: object) -> Buffer:
         """Copy host data (anything with the buffer protocol, exactly ``nbytes`` long) in.
 

@@ -68,7 +68,7 @@ class TwoStagePipeline:
     ``await TwoStagePipeline.create(...)`` and ``await pipeline.aclose()`` when done.
     """
 
-    def __init__(self, devices: tuple[str, str], size: int, iters: int, depth: int, group: int = 2) -> None:
+    def __init__(self, devices: tuple[str, str], size: int, iters: int, depth: int, group: int = 16) -> None:
         self.devices = devices
         self.size = size
         self.iters = iters
@@ -76,8 +76,8 @@ class TwoStagePipeline:
         #: the graph path reads its outputs ``group`` at a time (see :meth:`run_graph`)
         self.group = group
         self.slots: list[Slot] = []
-        #: the graph path's outputs: ``depth + group + 1`` of them, so those read before a
-        #: replay finished at least a whole micro-batch earlier (see :meth:`run_graph`)
+        #: the graph path's outputs: ``depth + group + 1`` of them (see :func:`ring_size`), so
+        #: those read before a replay finished at least a whole micro-batch earlier
         self.outs: list[Buffer] = []
         #: the graph path's inputs on the first device, as many as ``outs``: when output ``k`` is
         #: read, the replay that last read input ``k`` is over, so filling it waits for nothing
@@ -93,7 +93,7 @@ class TwoStagePipeline:
         size: int = 4096,
         iters: int = 200,
         depth: int = 2,
-        group: int = 2,
+        group: int = 16,
     ) -> TwoStagePipeline:
         """Compile both stages and allocate every buffer.
 
@@ -121,7 +121,7 @@ class TwoStagePipeline:
                         y=await alloc(second),
                     )
                 )
-            for _ in range(depth + group + 1):
+            for _ in range(ring_size(depth, group)):
                 self.outs.append(await alloc(second))
                 self.ins.append(await alloc(first))
         except BaseException:
@@ -218,16 +218,18 @@ class TwoStagePipeline:
         for outputs finished at least a micro-batch ago, never for a stage in progress, so both
         devices always have the next step queued.
 
-        Outputs and inputs are rings of ``depth + group + 1`` buffers. Before reusing output
-        ``k``, the task reads the ``group`` oldest outputs at once, waiting only for the newest
-        of them (the replays complete in order, so the others are complete too): one sleep and
-        one wake-up of the task per ``group`` micro-batches instead of one per micro-batch. The
+        Outputs and inputs are rings of ``depth + group + 1`` buffers (:func:`ring_size`). Before
+        reusing output ``k``, the task reads the ``group`` oldest outputs at once, waiting only for
+        the newest of them (the replays complete in order, so the others are complete too, and
+        are copied with ``copyout_nowait``): one sleep and one wake-up of the task per ``group``
+        micro-batches instead of one per micro-batch (on two cores the task's CPU is taken from
+        the stages, see docs/pipelining.md for the default of 16). The
         newest it waits for is micro-batch ``i - depth - 2`` when it is about to submit ``i``:
         stage 1 of ``i - 1`` is still running then, so the task's wake-up and submissions overlap
         it (waiting for ``i - depth - 1`` instead, with one buffer less, left both devices idle
         25-30 % of the time in an ad-hoc measurement, against ~20 %). Input ``k`` was last read
-        by a replay whose output was just read, so filling it waits for nothing (on CPU, a small
-        copy into memory nothing pending touches is a memcpy on the loop thread). Every wait
+        by a replay whose output was just read, so filling it waits for nothing: on CPU
+        ``copyin_nowait`` copies it on the loop thread at once, without a checkpoint. Every wait
         between devices (stage 2 after the transfer after stage 1, a slot's reuse after its last
         reader) is the runtime's, on the devices' workers.
 
@@ -241,19 +243,40 @@ class TwoStagePipeline:
             """Read outputs ``len(outputs)`` .. ``upto``, all done once ``upto`` is."""
             newest = await read(outs[upto % ring])  # the one wait
             while len(outputs) < upto:
-                outputs.append(await read(outs[len(outputs) % ring]))  # (done: no wait)
+                outputs.append(await read_done(outs[len(outputs) % ring]))
             outputs.append(newest)
 
         for i, batch in enumerate(batches):
             k = i % ring
-            slot, out, inp = self.slots[i % self.depth], outs[k], ins[k]
+            slot, out, inp = self.slots[k % self.depth], outs[k], ins[k]
             if i >= ring and len(outputs) <= i - ring:  # output k still holds micro-batch i - ring
                 await collect(min(i - ring + self.group, len(batches)) - 1)
-            await inp.copyin(batch)
+            try:
+                inp.copyin_nowait(batch)  # idle by construction: a memcpy, no trip through the loop
+            except anyio.WouldBlock:  # (a backend whose memory is not host memory)
+                await inp.copyin(batch)
             step.replay(x=inp, h=slot.h, h2=slot.h2, y=slot.y, out=out)
         if len(outputs) < len(batches):
             await collect(len(batches) - 1)
         return outputs
+
+
+def ring_size(depth: int, group: int) -> int:
+    """Inputs and outputs of the graph path: ``depth + group + 1``, rounded up to a multiple of
+    ``depth`` so that input ``k`` always meets slot ``k % depth`` (one substitution set, and one
+    cached replay plan, per ring position)."""
+    return -(-(depth + group + 1) // depth) * depth
+
+
+async def read_done(buf: Buffer) -> FloatArray:
+    """:func:`read` for an output whose writes are known to be done: copied at once where that can
+    be done on this thread (no trip through the event loop), else through :func:`read`."""
+    out: FloatArray = np.empty(buf.size, dtype=np.float32)
+    try:
+        buf.copyout_nowait(out)
+    except anyio.WouldBlock:
+        return await read(buf)
+    return out
 
 
 async def read(buf: Buffer) -> FloatArray:

@@ -413,6 +413,53 @@ async def test_small_copies_of_idle_memory_run_inline_and_the_rest_are_queued() 
         await b.free()
 
 
+async def test_copies_nowait_run_at_once_or_raise_would_block_having_copied_nothing() -> None:
+    """copyin_nowait/copyout_nowait copy on the calling thread at once (nothing queued, no
+    checkpoint) when the bytes are idle and the copy small; otherwise they raise
+    ``anyio.WouldBlock`` and copy nothing. Bad arguments and freed buffers raise as copyin does;
+    a backend without host memory (NULL) always says WouldBlock."""
+    limit = Device["CPU"].allocator.inline_copy_bytes
+    copy = Device["CPU"].queues["copy"].timeline
+    small = await Buffer("CPU", 4, dtypes.int32).allocate()
+    large = await Buffer("CPU", limit // 4 + 1, dtypes.int32).allocate()
+    before = copy.submitted
+    small.copyin_nowait(np.arange(4, dtype=np.int32))
+    out = np.zeros(4, np.int32)
+    small.copyout_nowait(out)
+    assert out.tolist() == [0, 1, 2, 3]
+    assert copy.submitted == before, "a copy without waiting was queued"
+    big = np.ones(limit // 4 + 1, np.int32)
+    with pytest.raises(anyio.WouldBlock, match="does not run on the calling thread"):
+        large.copyin_nowait(big)
+    with pytest.raises(anyio.WouldBlock, match="does not run on the calling thread"):
+        large.copyout_nowait(big)
+    assert big.tolist() == [1] * big.size
+    with pytest.raises(ValueError, match="bytes"):
+        small.copyin_nowait(np.arange(5, dtype=np.int32))
+    held = await int_buffer("CPU")
+    async with gate_on("CPU") as gate:
+        write = gate.launch(held, 5)  # a pending write of `held`, holding the compute queue
+        value = np.full(1, 3, np.int32)
+        with pytest.raises(anyio.WouldBlock, match="pending commands use"):
+            held.copyin_nowait(value)
+        with pytest.raises(anyio.WouldBlock, match="pending commands write"):
+            held.copyout_nowait(value)
+        assert value.tolist() == [3]
+        small.copyin_nowait(np.full(4, 9, np.int32))  # other memory: not held up
+    await write
+    held.copyout_nowait(value)
+    assert value.tolist() == [5]
+    assert (await small.numpy()).tolist() == [9] * 4
+    await small.free()
+    with pytest.raises(RuntimeError, match="use after free"):
+        small.copyin_nowait(np.zeros(4, np.int32))
+    null = await Buffer("NULL", 4, dtypes.int32).allocate()
+    with pytest.raises(anyio.WouldBlock):
+        null.copyin_nowait(np.zeros(4, np.int32))
+    for b in (large, held, null):
+        await b.free()
+
+
 @pytest.mark.parametrize("direction", ["copyin", "copyout"])
 async def test_a_small_copy_whose_buffer_is_freed_at_its_checkpoint_raises_use_after_free(
     monkeypatch: pytest.MonkeyPatch, direction: str
