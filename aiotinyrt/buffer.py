@@ -342,16 +342,16 @@ class Buffer:
     def _copy_now(self, data: memoryview, into: bool) -> None:
         handle = self.handle()  # (unallocated or freed: the error before anything else)
         device = self.device_obj
-        device._check_open()
-        if device._error is not None:
-            raise device._error
+        if not device._healthy():
+            device._check_open()
+            raise device._error  # type: ignore[misc]
         alloc = device.allocator
         if data.nbytes > alloc.inline_copy_bytes:
             raise anyio.WouldBlock(
                 f"{self!r}: a copy of {data.nbytes} bytes does not run on the calling thread "
                 f"(at most {alloc.inline_copy_bytes} here); await copy{'in' if into else 'out'}()"
             )
-        if not self._idle(into):
+        if (self._base or self)._accesses and not self._idle(into):
             raise anyio.WouldBlock(
                 f"{self!r}: pending commands {'use' if into else 'write'} these bytes; "
                 f"await copy{'in' if into else 'out'}()"

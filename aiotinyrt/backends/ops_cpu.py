@@ -275,11 +275,16 @@ class CPUMemory:
         return f"<CPUMemory 0x{self.addr:x} {self.nbytes} bytes>"
 
 
+#: Host copies up to this size go through ``ffi.memmove``, which holds the GIL (a microsecond or
+#: two); larger ones through libc's memcpy, called with the GIL released.
+_SMALL_COPY = 64 * 1024
+
+
 class CPUAllocator(LRUAllocator[CPUMemory]):
     """Page-aligned anonymous mmap memory; zero-copy host views."""
 
     #: 64 KiB: a few microseconds of memcpy on the loop thread (see Allocator.inline_copy_bytes)
-    inline_copy_bytes = 64 * 1024
+    inline_copy_bytes = _SMALL_COPY
 
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
@@ -315,14 +320,18 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
     def _copyin(self, dest: CPUMemory, src: memoryview) -> None:
         if src.nbytes > dest.nbytes:
             raise ValueError(f"copyin of {src.nbytes} bytes into {dest.nbytes} bytes")
-        _libc.memcpy(_ffi.cast("void *", dest.addr), _ffi.from_buffer(src), src.nbytes)
+        if src.nbytes <= _SMALL_COPY:  # (ffi.memmove takes the buffer as it is, but keeps the GIL)
+            _ffi.memmove(dest.ptr, src, src.nbytes)
+        else:  # a call through the library releases the GIL for the copy
+            _libc.memcpy(dest.ptr, _ffi.from_buffer(src), src.nbytes)
 
     def _copyout(self, dest: memoryview, src: CPUMemory) -> None:
         if dest.nbytes > src.nbytes:
             raise ValueError(f"copyout of {dest.nbytes} bytes from {src.nbytes} bytes")
-        _libc.memcpy(
-            _ffi.from_buffer(dest, require_writable=True), _ffi.cast("void *", src.addr), dest.nbytes
-        )
+        if dest.nbytes <= _SMALL_COPY:
+            _ffi.memmove(dest, src.ptr, dest.nbytes)  # (dest: a writable buffer, checked by the caller)
+        else:
+            _libc.memcpy(_ffi.from_buffer(dest, require_writable=True), src.ptr, dest.nbytes)
 
     def _transfer(self, dest: CPUMemory, src: Any, nbytes: int, src_device: Compiled) -> None:
         # memmove: two views of one buffer may overlap
