@@ -219,31 +219,44 @@ class Graph:
         self._runs = runs
 
     def _fold_transfers(self) -> None:
-        """Move a captured transfer onto its device's compute queue when it drains the previous
-        entry there (which wrote the transfer's source): it would wait for that kernel anyway,
-        and the two then form one run, one queue command per replay (on CPU the run stays
-        native, the transfer a memmove in its C function), without a hand-over between queues.
+        """Move a captured transfer that *drains* the kernel recorded just before it (that kernel
+        wrote the transfer's source) into that kernel's compute run: it would wait for that
+        kernel anyway, and the two then form one run, one queue command per replay (on CPU the run
+        stays native, the transfer a memmove in its C function), without a hand-over between
+        queues or a worker to wake.
 
-        A transfer that *feeds* the next kernel keeps the copy queue: there it runs as soon as
-        its source is ready and its destination free, while the kernel before it still runs,
-        whereas folded into the kernel's run it waits for that run's other dependencies, and
-        everything waiting to reuse its source then waits for the whole run. In a two-device
-        pipeline with double buffering (examples/pipeline.py, replays back to back without the
-        loop waiting, micro-batches/s, medians of 5 in two processes each): no folding 739/758,
-        folding both kinds 773/775, folding only what drains a kernel 814/814. A transfer next
-        to unrelated work keeps the copy queue, so it still overlaps compute."""
+        * The kernel is on the transfer's own device (a copy of its result): always.
+        * The kernel is on the source's device (a hand-over to the next device in a pipeline):
+          when that device's worker can run the transfer (the same allocator class, so host
+          memory on CPU and CPU:N) and it is small (at most the destination's
+          ``inline_copy_bytes``). A large one keeps the destination's copy queue, where it
+          overlaps the source device's next kernel instead of delaying it.
+
+        Everything else keeps its queue: a transfer beside unrelated work still overlaps compute.
+        Measured on examples/pipeline.py (two devices against one, group 16, micro-batches of
+        16 KB, medians of 8 alternating in one process; three runs): the hand-over folded into
+        stage 1's run 1.84/1.80/1.81x, on CPU:1's copy queue 1.81/1.76/1.79x. Session 5 measured
+        folding it into stage 2's run instead: slower (stage 1 of the micro-batch after next then
+        waited for that whole run to reuse its source)."""
         entries = self._entries
         for k, entry in enumerate(entries):
             owner = getattr(entry.fn, "__self__", None)
             if k == 0 or owner is None or entry.fn != getattr(owner, "_transfer", None):
                 continue
-            compute = entry.queue.device._compute_queue
             before = entries[k - 1]
-            if entry.queue is compute or before.queue is not compute:
+            dest, src = entry.bufs[0], entry.bufs[1]
+            if not any(w and b.base is src.base for b, w in zip(before.bufs, before.writes, strict=True)):
                 continue
-            src = entry.bufs[1].base
-            if any(w and b.base is src for b, w in zip(before.bufs, before.writes, strict=True)):
+            compute = entry.queue.device._compute_queue
+            source = src.device_obj
+            if before.queue is compute:
                 entry.queue = compute
+            elif (
+                before.queue is source._compute_queue
+                and type(source.allocator) is type(owner)
+                and dest.nbytes <= owner.inline_copy_bytes
+            ):
+                entry.queue = before.queue
 
     # ---- replay -------------------------------------------------------------------------------
     def _substitutions(self, subs: dict[str, Buffer]) -> dict[int, Buffer]:

@@ -196,10 +196,10 @@ class TwoStagePipeline:
     async def capture_step(self) -> Graph:
         """Capture stage 1, the transfer, stage 2 and the copy of the result into an output
         buffer, for slot 0, as a graph whose buffers are named, so one synchronous ``replay``
-        per micro-batch submits all four for any slot and output: three queue commands (stage 1
-        on the first device; the transfer on the second's copy queue; stage 2 and the result
-        copy, folded into one run, on its compute queue), which wait for each other on the
-        devices' workers.
+        per micro-batch submits all four for any slot and output: two queue commands (stage 1
+        and the transfer, folded into one run on the first device's compute queue; stage 2 and
+        the result copy, folded into one run on the second's), the second waiting for the first
+        on the devices' workers (see docs/pipelining.md).
 
         Cancellation: nothing was run; ``self.step`` stays as it was (a capture cancelled while
         sealing cannot be replayed)."""

@@ -234,27 +234,32 @@ async def replay_behind(gate: Gate, graph: Graph, queue: HostQueue, what: str) -
     await replayed
 
 
-async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices() -> None:
-    x = await int_buffer("CPU", 20, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
+@pytest.mark.parametrize("size", [4, 20_000])  # (16 B and 80 KB: above CPU's inline_copy_bytes)
+async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices(size: int) -> None:
+    """Kernel on CPU -> transfer to CPU:1 -> kernel on CPU:1. A small hand-over is folded into
+    the CPU kernel's run (run by CPU's worker right after it), a large one stays on CPU:1's copy
+    queue (where it overlaps CPU's next kernel); either way CPU:1's kernel waits for CPU's."""
+    x = await int_buffer("CPU", 20, size=size)
+    mid = await int_buffer("CPU", 0, size=size)
+    far = await int_buffer("CPU:1", 0, size=size)
+    out = await int_buffer("CPU:1", 0, size=size)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
+    small = far.nbytes <= Device["CPU:1"].allocator.inline_copy_bytes
     async with gate_on("CPU") as gate:
         async with Device["CPU"].capture() as graph:
             gate.launch(mid, x, add=1)  # mid = 21, held at replay until the gate opens
-            await far.copy_from(mid)  # CPU:1 copy queue: must wait for the CPU kernel
-            axpb(out, far, vals=(4, 2, 0, 0), writes=(0,))  # CPU:1 compute: after the copy
-        assert [run.queue for run in graph._runs] == [
-            Device["CPU"].queues["compute"],
-            Device["CPU:1"].queues["copy"],  # it feeds the next kernel: not folded into its run
-            Device["CPU:1"].queues["compute"],
-        ]
+            await far.copy_from(mid)  # must wait for the CPU kernel
+            axpb(out, far, vals=(size, 2, 0, 0), writes=(0,))  # CPU:1 compute: after the copy
+        expected = [Device["CPU"].queues["compute"], Device["CPU:1"].queues["compute"]]
+        if not small:
+            expected.insert(1, Device["CPU:1"].queues["copy"])
+        assert [run.queue for run in graph._runs] == expected
+        assert all(run.native is not None or run.transfer is not None for run in graph._runs)
         await replay_behind(
-            gate, graph, Device["CPU:1"].queues["copy"], "the graph's transfer, before its source"
+            gate, graph, Device["CPU:1"].queues["compute"], "CPU:1's kernel, before its input"
         )
-    assert await contents(far) == [21] * 4
-    assert await contents(out) == [42] * 4
+    assert await contents(far) == [21] * size
+    assert await contents(out) == [42] * size
 
 
 async def test_a_transfer_draining_a_kernel_joins_its_run_and_waits_for_it() -> None:

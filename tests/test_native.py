@@ -242,9 +242,10 @@ async def test_copies_between_devices_and_host_run_natively_and_in_order(
 async def test_a_graph_spanning_two_devices_replays_without_a_python_command(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Captured launch on one device, transfer to another, launch there: each run of the replay,
-    the transfer included, and the final join are native commands waiting for each other in C;
-    substituted buffers give the same results as eager execution."""
+    """Captured launch on one device, transfer to another, launch there: each run of the replay
+    (the small transfer folded into the first device's run, a memmove after its kernel) is a
+    native command, the second waiting for the first in C; substituted buffers give the same
+    results as eager execution. (A large transfer keeps its own native run: test_graph.py.)"""
     async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other:
         inc_a = await dev.program("inc", INC)
         inc_b = await other.program("inc", INC)
@@ -255,7 +256,8 @@ async def test_a_graph_spanning_two_devices_replays_without_a_python_command(
             inc_a(x)
             await y.copy_from(x)
             inc_b(y)
-        assert [run.transfer is not None for run in graph._runs] == [False, True, False]
+        assert [run.queue for run in graph._runs] == [dev.queues["compute"], other.queues["compute"]]
+        assert all(run.native is not None for run in graph._runs)
         queues = [q for d in (dev, other) for q in d.queues.values()]
         python_submits = count_python_commands(monkeypatch, queues)
         first = graph.replay()

@@ -437,11 +437,15 @@ class CPUDevice(Compiled):
     async def _native_graph(self, entries: list[Any]) -> NativeRun | None:
         """Compile a run of captured raw C launches into one C function that calls each kernel
         with its recorded arguments (addresses come from arrays, so the code is cacheable)."""
-        transfer = self.allocator._transfer
+        transfer = CPUAllocator._transfer
+
+        def is_transfer(fn: Any) -> bool:
+            return getattr(fn, "__func__", None) is transfer
+
         if not all(
             e.queue is self._compute_queue
             and (
-                e.fn == transfer  # a transfer folded into the run (see Graph._fold_transfers)
+                is_transfer(e.fn)  # a transfer folded into the run (see Graph._fold_transfers)
                 or (
                     isinstance(e.program, CPUProgram)
                     and e.fn is e.program.function(len(e.bufs), len(e.args) - len(e.bufs))
@@ -454,7 +458,7 @@ class CPUDevice(Compiled):
         flat: list[int] = []
         positions: dict[tuple[int, int], list[int]] = {}
         for i, entry in enumerate(entries):
-            if entry.fn == transfer:  # memmove(dest, src, nbytes): views of one buffer may overlap
+            if is_transfer(entry.fn):  # memmove(dest, src, nbytes): views of one buffer may overlap
                 base = len(flat)
                 dest, src, nbytes, _ = entry.args
                 flat.extend((dest.addr, src.addr, nbytes))
@@ -494,7 +498,7 @@ class CPUDevice(Compiled):
             cfunc=_ffi.cast("void (*)(uintptr_t *, uintptr_t *)", replay._addr),
             fns=_ffi.new(
                 "uintptr_t[]",
-                [0 if e.fn == transfer else int(_ffi.cast("uintptr_t", e.program._addr)) for e in entries],
+                [0 if is_transfer(e.fn) else int(_ffi.cast("uintptr_t", e.program._addr)) for e in entries],
             ),
             args=_ffi.new("uintptr_t[]", flat or [0]),
             positions=positions,
