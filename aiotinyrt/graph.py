@@ -114,6 +114,9 @@ class Graph:
     def __init__(self, named: dict[str, Buffer]) -> None:
         self._entries: list[_Entry] = []
         self._runs: list[_Run] = []
+        #: every device a replay runs on or touches memory of (a folded transfer writes another
+        #: device's buffer from this device's worker): each must be open to replay
+        self._devices: list[Compiled] = []
         self._names: dict[str, Buffer] = {}
         self._sealed = False
         self._timeline = Timeline("capture", "graph")
@@ -217,6 +220,10 @@ class Graph:
                 if owner is not None and fn == getattr(owner, "_transfer", None):
                     run.transfer = owner
         self._runs = runs
+        for entry in self._entries:
+            for dev in (entry.queue.device, *(buf.device_obj for buf in entry.bufs)):
+                if dev not in self._devices:
+                    self._devices.append(dev)
 
     def _fold_transfers(self) -> None:
         """Move a captured transfer that *drains* the kernel recorded just before it (that kernel
@@ -288,8 +295,8 @@ class Graph:
             raise RuntimeError("replay after the capture block has ended")
         if not self._runs:
             raise RuntimeError("the graph is empty: nothing was launched while capturing")
-        for run in self._runs:
-            run.queue.device._check_open()
+        for dev in self._devices:
+            dev._check_open()
         plans, fast = self._plans_for(subs)
         if fast is not None:
             # in C when every run is a native command and every access it waits for can be

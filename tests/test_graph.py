@@ -262,6 +262,27 @@ async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices(siz
     assert await contents(out) == [42] * size
 
 
+async def test_a_replay_whose_folded_transfer_writes_a_closed_device_raises_before_enqueueing() -> None:
+    """The hand-over to another device runs on the source device's worker; once the destination
+    device is closed, a replay raises its DeviceError and enqueues nothing (its memory is not
+    written from the other device's worker)."""
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", 1, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    async with rt.open_device("CPU:3") as dest:
+        far = await int_buffer(dest.name, 0, size=4)
+        async with Device["CPU"].capture() as graph:
+            progs["CPU"](mid, x, vals=(4, 2, 1, 0), writes=(0,))
+            await far.copy_from(mid)  # small: folded into the CPU run
+        assert [run.queue for run in graph._runs] == [Device["CPU"].queues["compute"]]
+        await graph.replay()
+        assert await contents(far) == [3] * 4
+    before = submitted()
+    with pytest.raises(DeviceError, match="closed"):
+        graph.replay()
+    assert submitted() == before
+
+
 async def test_a_transfer_draining_a_kernel_joins_its_run_and_waits_for_it() -> None:
     """A transfer reading what the previous kernel on its device wrote is folded into that
     kernel's compute run (one native command), which waits for the kernel's input."""
