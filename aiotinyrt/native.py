@@ -481,7 +481,11 @@ int hq_run(hq_t *q) {
         hq_slot *s = next_slot(q);
         unsteer(q);
         if (s->kind != K_NATIVE) return R_PY;
-        if (LOAD(&q->halted)) return R_HALTED;
+        /* The dependencies first, even on a halted queue: a command completes (failed or not)
+           only after the commands it is ordered after, as on the Python path. Its access
+           records replaced theirs (a write supersedes what it waits for), so completing early
+           would let a later access of that memory (another device's, for a folded transfer)
+           proceed while they still ran. */
         if (s->ndeps) {
             if (q->deps_ok) q->deps_ok = 0;
             else {
@@ -493,9 +497,9 @@ int hq_run(hq_t *q) {
                     if (LOAD(&o->fail_max) >= dv) suspect = 1;
                 }
                 if (suspect) return R_DEPS;  /* Python looks at the dependencies' outcomes */
-                if (LOAD(&q->halted)) return R_HALTED;
             }
         }
+        if (LOAD(&q->halted)) return R_HALTED;
         int64_t v = q->expected;
         int moved = 0, cpu = -1;
         if (s->fn) cpu = spread_enter(q, q->elapsed[(v - 1) & ELAPSED_MASK] >= SPREAD_MIN_S, &moved);
@@ -827,15 +831,15 @@ static int record_access(PyObject *buf, PyObject *base, PyObject *start, PyObjec
    command runs anyway) and return -1 with the error set. */
 static int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend) {
     PyObject *held = PyObject_GetAttr(queue, s_last_held);
-    if (!held) return -1;
-    if (extend && PyList_CheckExact(held) && PyList_GET_SIZE(held) == 2 && PyList_GET_ITEM(held, 1) == hold) {
+    if (held && extend && PyList_CheckExact(held) && PyList_GET_SIZE(held) == 2 &&
+        PyList_GET_ITEM(held, 1) == hold) {
         Py_INCREF(value);
         PyList_SetItem(held, 0, value);
         Py_DECREF(held);
         return 0;
     }
-    Py_DECREF(held);
-    PyObject *r = PyObject_CallMethodObjArgs(queue, s_hold, value, hold, NULL);
+    PyObject *r = held ? PyObject_CallMethodObjArgs(queue, s_hold, value, hold, NULL) : NULL;
+    Py_XDECREF(held);
     if (r) { Py_DECREF(r); return 0; }
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
@@ -845,9 +849,12 @@ static int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int exte
         Py_INCREF(hold); PyList_SET_ITEM(pair, 1, hold);
         PyObject *list = PyObject_GetAttrString(queue, "_held");
         PyObject *ok = list ? PyObject_CallMethod(list, "append", "O", pair) : NULL;
+        if (!ok) Py_INCREF(hold);  /* (not even that: what the command reads is never released) */
         Py_XDECREF(ok);
         Py_XDECREF(list);
         Py_DECREF(pair);
+    } else {
+        Py_INCREF(hold);
     }
     PyErr_Clear();
     PyErr_Restore(type, exc, tb);
@@ -937,6 +944,17 @@ static PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) 
         void *block = PyLong_AsVoidPtr(PyTuple_GET_ITEM(run, 5));
         if (PyErr_Occurred()) { failed = 1; break; }
         if (!q) { PyErr_SetString(PyExc_ValueError, "replay: NULL queue"); failed = 1; break; }
+        if (k > 0) {  /* (Python ran since the check above: a queue may have been stopped) */
+            PyObject *stopping = PyObject_GetAttr(queue, s_stopping);
+            int stop = !stopping || stopping != Py_False;
+            Py_XDECREF(stopping);
+            if (stop) {
+                if (stopping) Py_XDECREF(PyObject_CallMethod(queue, "_refuse_closed", NULL));
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "replay: queue stopped");
+                failed = 1;
+                break;
+            }
+        }
         uint64_t cov = 0;
         /* the dependencies, looked at once (a pending one may complete meanwhile): pairs for C,
            (timeline, value) for Python's look-up of a failure (see R_DEPS) */
@@ -968,13 +986,14 @@ static PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) 
                 hq_t *o = timeline_queue(tl);
                 int64_t v = signal_value(sig);
                 if (!o || v < 0) { PyErr_Clear(); continue; }  /* (checked above) */
-                /* an earlier run of this replay: waited for, or done and succeeded, or done and
-                   possibly failed, which keeps it a dependency (below) */
-                for (Py_ssize_t r = 0; r < k; r++)
-                    if (sigs[r] == sig) cov |= (1ull << r) | covered[r];
-                /* a done one that may have failed stays a dependency: the worker then asks
-                   Python for its outcome (R_DEPS) */
-                if (LOAD(&o->completed) >= v && LOAD(&o->fail_max) < v) continue;
+                /* done: not a dependency (as Buffer.dependencies). An earlier run of this
+                   replay counts as waited for when it is pending (a dependency) or done without
+                   failure; done and possibly failed, the join (Python's) reports it. */
+                int done_now = LOAD(&o->completed) >= v;
+                if (!done_now || LOAD(&o->fail_max) < v)
+                    for (Py_ssize_t r = 0; r < k; r++)
+                        if (sigs[r] == sig) cov |= (1ull << r) | covered[r];
+                if (done_now) continue;
                 if (add_dep(&deps, small, &nd, &cap, o, v, tl, SLOT(sig, off_value)) < 0) {
                     failed = 1;
                     break;

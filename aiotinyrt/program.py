@@ -54,7 +54,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -592,7 +592,7 @@ class HostQueue:
         for by the worker, in C. Only where ``native`` is set. (The extension module's
         ``launch()`` does the same for repeat launches, in C.)"""
         if self._stopping:
-            raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+            self._refuse_closed()
         if deps:
             # (an array.array: its buffer address without cffi's Python-level new() and cast())
             pairs = array.array("q", [x for dep in deps for x in (dep.timeline._caddr, dep.value)])
@@ -618,6 +618,10 @@ class HostQueue:
         sig._error = None
         sig._elapsed = None
         return sig
+
+    def _refuse_closed(self) -> NoReturn:
+        """The error of a submission to a stopped queue (also raised by the C replay)."""
+        raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
 
     def _prune_deps(self) -> None:
         """Forget the dependencies of commands that ran (R_DEPS pops only suspects)."""

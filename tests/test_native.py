@@ -24,6 +24,7 @@ import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, Signal, native
 from aiotinyrt.program import HostQueue
 from tests.test_faults import inject_failure
+from tests.test_ordering import assert_stays_pending
 from tests.test_signals import GATE, INC, SPIN, STAMP, assert_cancelled_at_entry, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
@@ -269,6 +270,25 @@ async def test_a_graph_spanning_two_devices_replays_without_a_python_command(
         assert (await y2.numpy()).tolist() == [42] and (await x2.numpy()).tolist() == [41]
         for buf in (x, y, x2, y2):
             await buf.free()
+
+
+async def test_a_command_of_a_halted_queue_completes_only_after_its_dependencies() -> None:
+    """A device with a sticky error fails its queued native commands, but each only once the
+    commands it depends on (another device's, held by a gate) completed: completing early would
+    let later work on the memory they share run while the dependency still does."""
+    async with rt.open_device(DEV) as dev, gate_on(OTHER) as gate:
+        inc = await dev.program("inc", INC)
+        out = await int_buffer(DEV)
+        fault = inject_failure(dev)
+        with pytest.raises(DeviceError):
+            await fault  # (the device is halted now)
+        held = gate.launch(await int_buffer(OTHER), 1)
+        dependent = inc(out, wait_for=[held])
+        await assert_stays_pending(dependent, "a halted queue's command waiting for another device")
+        gate.open()
+        with pytest.raises(DeviceError):
+            await dependent
+        await dev.reset()
 
 
 async def test_a_failed_dependency_on_another_device_fails_the_native_launch_only() -> None:
