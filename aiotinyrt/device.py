@@ -199,8 +199,18 @@ class Compiled:
             await self._settle()
             self._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
             await self._settle()  # the workers reach their stop markers; nothing joins on the loop
-            # unmapping cached memory can take milliseconds: off the loop thread
-            await anyio.to_thread.run_sync(self.allocator.free_cache)
+            # Off the loop thread: unmapping cached memory can take milliseconds, and each worker,
+            # past its stop marker, still has to return (a bounded join: after aclose() no worker
+            # thread of this device is left, which a test that enumerated threads right after
+            # aclose() found not always so under load).
+            await anyio.to_thread.run_sync(self._finish_close)
+
+    def _finish_close(self) -> None:
+        for q in self.queues.values():
+            thread = q._thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+        self.allocator.free_cache()
 
     def _shutdown(self, *, drop_queued: bool, join_timeout: float | None, free_cache: bool = True) -> None:
         if self._closed:
