@@ -100,6 +100,19 @@ async def capture_chain(
     return graph
 
 
+async def small_chain(
+    x_values: object,
+) -> tuple[dict[str, Program], Buffer, Buffer, Buffer, Buffer, Graph]:
+    """:func:`capture_chain` on buffers of 4 ints, ``x`` holding ``x_values`` (a scalar fills
+    it): ``(progs, x, mid, far, out, graph)``."""
+    progs = await axpb_programs()
+    x = await int_buffer("CPU", x_values, size=4)
+    mid = await int_buffer("CPU", 0, size=4)
+    far = await int_buffer("CPU:1", 0, size=4)
+    out = await int_buffer("CPU:1", 0, size=4)
+    return progs, x, mid, far, out, await capture_chain(progs, x, mid, far, out)
+
+
 async def test_replay_with_substituted_inputs_and_outputs_equals_eager_execution() -> None:
     progs = await axpb_programs()
     size = 64
@@ -169,12 +182,7 @@ async def test_a_replay_c_cannot_wait_for_runs_in_python(monkeypatch: pytest.Mon
     before pushing anything; the Python path then submits the replay, which still computes the
     right result."""
     c_replay_or_skip()
-    progs = await axpb_programs()
-    x = await int_buffer("CPU", np.arange(4))
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
-    graph = await capture_chain(progs, x, mid, far, out)
+    _progs, x, _mid, _far, out, graph = await small_chain(np.arange(4))
     await graph.replay()  # (plans built and cached)
     timeline = Device["CPU"].queues["compute"].timeline
     odd = Signal(timeline, timeline.completed)  # done, but with an error Python must look at
@@ -415,12 +423,7 @@ async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
 
 
 async def test_a_replay_is_ordered_after_eager_work_on_its_buffers_and_before_later_work() -> None:
-    progs = await axpb_programs()
-    x = await int_buffer("CPU", 0, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
-    graph = await capture_chain(progs, x, mid, far, out)
+    progs, x, _mid, _far, out, graph = await small_chain(0)
     src = await int_buffer("CPU", 10, size=4)
     late = await int_buffer("CPU:1", 0, size=4)
     async with gate_on("CPU") as gate:
@@ -500,12 +503,7 @@ async def _bad_substitutes() -> list[tuple[str, Callable[[], object], type[Excep
 
 
 async def test_replay_with_a_bad_substitute_raises_before_enqueueing_anything() -> None:
-    progs = await axpb_programs()
-    x = await int_buffer("CPU", 1, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
-    graph = await capture_chain(progs, x, mid, far, out)
+    _progs, x, mid, _far, _out, graph = await small_chain(1)
     good_out = await int_buffer("CPU:1", 0, size=4)
     bad = await _bad_substitutes()
     before = submitted()
@@ -524,12 +522,7 @@ async def test_replay_with_a_bad_substitute_raises_before_enqueueing_anything() 
 async def test_replay_plans_are_reused_per_substitution_set_and_rebuilt_after_a_free() -> None:
     """Alternating substitution sets replay from remembered plans (identical results); freeing a
     remembered substitute raises the use-after-free error instead of replaying its stale plan."""
-    progs = await axpb_programs()
-    x = await int_buffer("CPU", 1, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
-    graph = await capture_chain(progs, x, mid, far, out)
+    _progs, _x, _mid, _far, _out, graph = await small_chain(1)
     xs = [await int_buffer("CPU", np.full(4, i, np.int32), size=4) for i in range(3)]
     outs = [await int_buffer("CPU:1", 0, size=4) for _ in range(3)]
     for round_ in range(3):
@@ -549,12 +542,7 @@ async def test_replay_plans_are_reused_per_substitution_set_and_rebuilt_after_a_
 
 
 async def test_replay_with_a_freed_captured_buffer_raises_before_enqueueing_anything() -> None:
-    progs = await axpb_programs()
-    x = await int_buffer("CPU", 1, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
-    graph = await capture_chain(progs, x, mid, far, out)
+    _progs, _x, _mid, far, _out, graph = await small_chain(1)
     await far.free()  # used by the graph's last two runs, after a CPU run that is fine
     before = submitted()
     with pytest.raises(RuntimeError, match="use after free"):
