@@ -294,25 +294,40 @@ class Buffer:
             raise ValueError(f"{what} has {data.nbytes} bytes but {self!r} has {self.nbytes} bytes")
         return data
 
-    async def _copy_inline(self, data: memoryview, into: bool) -> bool:
-        """The entry of :meth:`copyin` (``into``) and :meth:`copyout`: their checkpoint, and the
-        copy itself when it is small (``allocator.inline_copy_bytes``) and no pending command
-        touches the bytes, run on the calling thread; False when the caller must queue it.
+    def _inline_refusal(self, data: memoryview, into: bool) -> str | None:
+        """Why a copy of ``data`` in (``into``) or out cannot run on the calling thread now, or
+        None when it can: at most ``allocator.inline_copy_bytes`` (0 where the device memory is
+        not host memory), and no pending command conflicting with it."""
+        limit = self.device_obj.allocator.inline_copy_bytes
+        if data.nbytes > limit:
+            return f"a copy of {data.nbytes} bytes does not run on the calling thread (at most {limit} here)"
+        if not self._idle(into):
+            return f"pending commands {'use' if into else 'write'} these bytes"
+        return None
 
-        Cancellation: the checkpoint; cancelled there, nothing was copied."""
-        device = self.device_obj
-        alloc = device.allocator
-        if data.nbytes > alloc.inline_copy_bytes or not self._idle(into) or not device._healthy():
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            return False
-        await anyio.lowlevel.checkpoint()
-        handle = self.handle()  # freed meanwhile: the use-after-free error, nothing copied
-        if not (self._idle(into) and device._healthy()):  # (the checkpoint let others run)
-            return False
+    def _copy_host(self, handle: Any, data: memoryview, into: bool) -> None:
+        """The backend's synchronous copy, on the calling thread (see :meth:`_inline_refusal`)."""
+        alloc = self.device_obj.allocator
         if into:
             alloc._copyin(handle, data)
         else:
             alloc._copyout(data, handle)
+
+    async def _copy_inline(self, data: memoryview, into: bool) -> bool:
+        """The entry of :meth:`copyin` (``into``) and :meth:`copyout`: their checkpoint, and the
+        copy itself when it can run on the calling thread (:meth:`_inline_refusal`); False when
+        the caller must queue it.
+
+        Cancellation: the checkpoint; cancelled there, nothing was copied."""
+        device = self.device_obj
+        if not device._healthy() or self._inline_refusal(data, into) is not None:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return False
+        await anyio.lowlevel.checkpoint()
+        handle = self.handle()  # freed meanwhile: the use-after-free error, nothing copied
+        if not device._healthy() or self._inline_refusal(data, into) is not None:
+            return False  # (the checkpoint let others run)
+        self._copy_host(handle, data, into)
         return True
 
     def copyin_nowait(self, src: object) -> None:
@@ -345,21 +360,10 @@ class Buffer:
         if not device._healthy():
             device._check_open()
             raise device._error  # type: ignore[misc]
-        alloc = device.allocator
-        if data.nbytes > alloc.inline_copy_bytes:
-            raise anyio.WouldBlock(
-                f"{self!r}: a copy of {data.nbytes} bytes does not run on the calling thread "
-                f"(at most {alloc.inline_copy_bytes} here); await copy{'in' if into else 'out'}()"
-            )
-        if (self._base or self)._accesses and not self._idle(into):
-            raise anyio.WouldBlock(
-                f"{self!r}: pending commands {'use' if into else 'write'} these bytes; "
-                f"await copy{'in' if into else 'out'}()"
-            )
-        if into:
-            alloc._copyin(handle, data)
-        else:
-            alloc._copyout(data, handle)
+        refusal = self._inline_refusal(data, into)
+        if refusal is not None:
+            raise anyio.WouldBlock(f"{self!r}: {refusal}; await copy{'in' if into else 'out'}()")
+        self._copy_host(handle, data, into)
 
     async def copyin(self, src: object) -> Buffer:
         """Copy host data (anything with the buffer protocol, exactly ``nbytes`` long) in.
