@@ -24,7 +24,7 @@ Launches recorded in a capture return a Signal that is already failed: awaiting 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -215,10 +215,7 @@ class Graph:
             if builder is not None:  # (None when it cannot: the run replays through Python)
                 run.native = await builder(run.entries)
             if len(run.entries) == 1 and run.queue.native:
-                fn = run.entries[0].fn
-                owner = getattr(fn, "__self__", None)
-                if owner is not None and fn == getattr(owner, "_transfer", None):
-                    run.transfer = owner
+                run.transfer = _transfer_owner(run.entries[0].fn)
         self._runs = runs
         for entry in self._entries:
             for dev in (entry.queue.device, *(buf.device_obj for buf in entry.bufs)):
@@ -247,8 +244,8 @@ class Graph:
         waited for that whole run to reuse its source)."""
         entries = self._entries
         for k, entry in enumerate(entries):
-            owner = getattr(entry.fn, "__self__", None)
-            if k == 0 or owner is None or entry.fn != getattr(owner, "_transfer", None):
+            owner = _transfer_owner(entry.fn)
+            if k == 0 or owner is None:
                 continue
             before = entries[k - 1]
             dest, src = entry.bufs[0], entry.bufs[1]
@@ -305,9 +302,7 @@ class Graph:
             if isinstance(out, Signal):
                 return out  # (the last run's signal stands for the replay, see below)
             if out is not None:
-                last = self._runs[-1].queue
-                joined = tuple(sig for sig in out[:-1] if sig.timeline is not last.timeline)
-                return last.submit_either((0, 0, 0, None), _join, (), joined, None)
+                return self._joined(out)
         signals: list[Signal] = []
         #: per run, the indices of this replay's runs it waits for, directly or through others
         waited: list[set[int]] = []
@@ -345,8 +340,14 @@ class Graph:
             # transfer -> stage 2 -> copy out), and a dependency's failure fails its dependents:
             # its signal already stands for the whole replay, no joining command is needed.
             return signals[-1]
-        # (natively: a command that runs nothing, once the others are done)
-        return last.submit_either((0, 0, 0, None), _join, (), tuple(signals[r] for r in others), None)
+        return self._joined(signals)
+
+    def _joined(self, signals: Sequence[Signal]) -> Signal:
+        """A command on the last run's queue that completes once every run on other queues did
+        (natively: one that runs nothing), standing for the whole replay."""
+        last = self._runs[-1].queue
+        others = tuple(sig for sig in signals[:-1] if sig.timeline is not last.timeline)
+        return last.submit_either((0, 0, 0, None), _join, (), others, None)
 
     __call__ = replay
 
@@ -454,6 +455,12 @@ class Graph:
                             call_args[slot] = new_handle.ptr if is_ptr else new_handle
                 calls.append((entry.fn, tuple(call_args)))
         return _run_calls, (calls,), accesses, (run, accesses), _transfer_command(run, calls)
+
+
+def _transfer_owner(fn: Callable[..., object]) -> Any:
+    """The allocator whose ``_transfer`` ``fn`` is (a captured ``copy_from``), or None."""
+    owner = getattr(fn, "__self__", None)
+    return owner if owner is not None and fn == getattr(owner, "_transfer", None) else None
 
 
 def _slots_of(args: tuple[Any, ...], buf: Buffer, nbufs: int) -> list[tuple[int, bool]]:
