@@ -606,6 +606,53 @@ static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* Hold `hold` on `queue` until command `value` ran: extend the newest held entry when it is the
+   same object, else queue._hold(); when that raises, append it to the hold list from C (the
+   command runs anyway) and return -1 with the error set. */
+static int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend) {
+    PyObject *held = PyObject_GetAttr(queue, s_last_held);
+    if (held && extend && PyList_CheckExact(held) && PyList_GET_SIZE(held) == 2 &&
+        PyList_GET_ITEM(held, 1) == hold) {
+        Py_INCREF(value);
+        PyList_SetItem(held, 0, value);
+        Py_DECREF(held);
+        return 0;
+    }
+    PyObject *r = held ? PyObject_CallMethodObjArgs(queue, s_hold, value, hold, NULL) : NULL;
+    Py_XDECREF(held);
+    if (r) { Py_DECREF(r); return 0; }
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyObject *pair = PyList_New(2);
+    if (pair) {
+        Py_INCREF(value); PyList_SET_ITEM(pair, 0, value);
+        Py_INCREF(hold); PyList_SET_ITEM(pair, 1, hold);
+        PyObject *list = PyObject_GetAttrString(queue, "_held");
+        PyObject *ok = list ? PyObject_CallMethod(list, "append", "O", pair) : NULL;
+        if (!ok) Py_INCREF(hold);  /* (not even that: what the command reads is never released) */
+        Py_XDECREF(ok);
+        Py_XDECREF(list);
+        Py_DECREF(pair);
+    } else {
+        Py_INCREF(hold);
+    }
+    PyErr_Clear();
+    PyErr_Restore(type, exc, tb);
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    return -1;
+}
+
+/* Fill in the Signal of pushed command `value` on `timeline` (steals `value`). */
+static void fill_signal(PyObject *sig, PyObject *timeline, PyObject *value) {
+    Py_INCREF(timeline);
+    set_slot(sig, off_timeline, timeline);
+    set_slot(sig, off_value, value);
+    Py_INCREF(Py_None);
+    set_slot(sig, off_error, Py_None);
+    Py_INCREF(Py_None);
+    set_slot(sig, off_elapsed, Py_None);
+}
+
 static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, PyObject *timeline,
                              PyObject *queue, hq_t *q) {
     PyObject *entry = PyDict_GetItemWithError(by_bufs, key);  /* borrowed */
@@ -645,31 +692,21 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
     void *block = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2));
     if (PyErr_Occurred() || !q) return NULL;
     /* From here on Python code may run (a collection during an allocation, queue._hold()):
-       own the entry (it holds the argument block) and allocate before looking at the hold list. */
+       own the entry (it holds the argument block). */
     Py_INCREF(entry);
     PyObject *sig = sig_type->tp_alloc(sig_type, 0);
-    PyObject *held = sig ? PyObject_GetAttr(queue, s_last_held) : NULL;
-    if (!held) { Py_XDECREF(sig); Py_DECREF(entry); return NULL; }
-    if (!PyList_CheckExact(held) || PyList_GET_SIZE(held) != 2 || PyList_GET_ITEM(held, 1) != entry) {
-        Py_DECREF(held);  /* another entry is the newest held: queue._hold() after the push */
-        held = NULL;
-    }
+    if (!sig) { Py_DECREF(entry); return NULL; }
     int64_t v = hq_push(q, K_NATIVE, (uintptr_t)fn, (int32_t)nargs, (uintptr_t)block);
-    if (v < 0) { Py_XDECREF(held); Py_DECREF(sig); Py_DECREF(entry); return PyErr_NoMemory(); }
+    if (v < 0) { Py_DECREF(sig); Py_DECREF(entry); return PyErr_NoMemory(); }
     /* The command is queued: fill in the signal and the access records first (so a failure
        below still leaves later work ordered after it), then hold the entry until it ran. */
     PyObject *value = PyLong_FromLongLong(v);
-    int failed = value == NULL;
-    if (!failed) {
-        Py_INCREF(timeline);
-        set_slot(sig, off_timeline, timeline);
-        Py_INCREF(value);
-        set_slot(sig, off_value, value);
-        Py_INCREF(Py_None);
-        set_slot(sig, off_error, Py_None);
-        Py_INCREF(Py_None);
-        set_slot(sig, off_elapsed, Py_None);
+    if (!value) {  /* (out of memory: the entry, what the command reads, is never released) */
+        Py_DECREF(sig);
+        return NULL;
     }
+    fill_signal(sig, timeline, value);
+    int failed = 0;
     for (Py_ssize_t i = 0; !failed && i < nb; i++) {
         PyObject *b = PyTuple_GET_ITEM(bufs, i);
         PyObject *nbytes = SLOT(b, off_nbytes);
@@ -698,39 +735,12 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
         PyList_SET_ITEM(list, 0, a);
         set_slot(b, off_accesses, list);
     }
-    if (held && value) {  /* the newest held entry is this one: extend it to this value */
-        Py_INCREF(value);
-        PyList_SetItem(held, 0, value);  /* steals one reference */
-    } else if (value) {  /* alternating entries (slots, vals): hold this one from this value */
-        PyObject *r = PyObject_CallMethodObjArgs(queue, s_hold, value, entry, NULL);
-        if (r) Py_DECREF(r); else failed = 1;
+    PyObject *type = NULL, *exc = NULL, *tb = NULL;
+    if (failed) PyErr_Fetch(&type, &exc, &tb);
+    if (hold_until(queue, SLOT(sig, off_value), entry, 1) < 0) {  /* (the entry stays held) */
+        if (failed) PyErr_Clear(); else { failed = 1; PyErr_Fetch(&type, &exc, &tb); }
     }
-    if (failed) {
-        /* (an allocation failed, or an exception such as KeyboardInterrupt arrived in _hold):
-           the command runs anyway, so keep its entry alive without running Python code, then
-           raise. The hold list is a deque: append() is C. */
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyObject *at = value ? (Py_INCREF(value), value) : PyLong_FromLongLong(v);
-        PyObject *pair = at ? PyList_New(2) : NULL;
-        if (pair) {
-            PyList_SET_ITEM(pair, 0, at);  /* steals `at` */
-            Py_INCREF(entry);
-            PyList_SET_ITEM(pair, 1, entry);
-        } else {
-            Py_XDECREF(at);
-        }
-        PyObject *hold = pair ? PyObject_GetAttrString(queue, "_held") : NULL;
-        PyObject *r = hold ? PyObject_CallMethod(hold, "append", "O", pair) : NULL;
-        Py_XDECREF(r);
-        Py_XDECREF(hold);
-        Py_XDECREF(pair);
-        PyErr_Clear();
-        PyErr_Restore(type, exc, tb);
-        if (!PyErr_Occurred()) PyErr_NoMemory();
-    }
-    Py_XDECREF(value);
-    Py_XDECREF(held);
+    if (failed) PyErr_Restore(type, exc, tb);
     Py_DECREF(entry);
     if (failed) { Py_DECREF(sig); return NULL; }
     return sig;
@@ -826,41 +836,6 @@ static int record_access(PyObject *buf, PyObject *base, PyObject *start, PyObjec
     return 0;
 }
 
-/* Hold `hold` on `queue` until command `value` ran: extend the newest held entry when it is the
-   same object, else queue._hold(); when that raises, append it to the hold list from C (the
-   command runs anyway) and return -1 with the error set. */
-static int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend) {
-    PyObject *held = PyObject_GetAttr(queue, s_last_held);
-    if (held && extend && PyList_CheckExact(held) && PyList_GET_SIZE(held) == 2 &&
-        PyList_GET_ITEM(held, 1) == hold) {
-        Py_INCREF(value);
-        PyList_SetItem(held, 0, value);
-        Py_DECREF(held);
-        return 0;
-    }
-    PyObject *r = held ? PyObject_CallMethodObjArgs(queue, s_hold, value, hold, NULL) : NULL;
-    Py_XDECREF(held);
-    if (r) { Py_DECREF(r); return 0; }
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb);
-    PyObject *pair = PyList_New(2);
-    if (pair) {
-        Py_INCREF(value); PyList_SET_ITEM(pair, 0, value);
-        Py_INCREF(hold); PyList_SET_ITEM(pair, 1, hold);
-        PyObject *list = PyObject_GetAttrString(queue, "_held");
-        PyObject *ok = list ? PyObject_CallMethod(list, "append", "O", pair) : NULL;
-        if (!ok) Py_INCREF(hold);  /* (not even that: what the command reads is never released) */
-        Py_XDECREF(ok);
-        Py_XDECREF(list);
-        Py_DECREF(pair);
-    } else {
-        Py_INCREF(hold);
-    }
-    PyErr_Clear();
-    PyErr_Restore(type, exc, tb);
-    if (!PyErr_Occurred()) PyErr_NoMemory();
-    return -1;
-}
 
 typedef struct { hq_t *q; int64_t value; PyObject *timeline, *value_obj; } dep_t;  /* (owned) */
 
@@ -1033,10 +1008,7 @@ static PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) 
                 failed = 1;
             } else {
                 Py_DECREF(pairs); Py_DECREF(on);
-                Py_INCREF(timeline); set_slot(sig, off_timeline, timeline);
-                set_slot(sig, off_value, value);  /* steals */
-                Py_INCREF(Py_None); set_slot(sig, off_error, Py_None);
-                Py_INCREF(Py_None); set_slot(sig, off_elapsed, Py_None);
+                fill_signal(sig, timeline, value);
                 sigs[k] = sig; values[k] = v; queues[k] = q; covered[k] = cov; timelines[k] = timeline;
                 done = k + 1;
                 if (hold_until(queue, value, keep, 0) < 0) failed = 1;
@@ -1060,10 +1032,7 @@ static PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) 
                 failed = 1;
                 break;
             }
-            Py_INCREF(timeline); set_slot(sig, off_timeline, timeline);
-            set_slot(sig, off_value, value);
-            Py_INCREF(Py_None); set_slot(sig, off_error, Py_None);
-            Py_INCREF(Py_None); set_slot(sig, off_elapsed, Py_None);
+            fill_signal(sig, timeline, value);
             sigs[k] = sig; values[k] = v; queues[k] = q; covered[k] = cov; timelines[k] = timeline;
             done = k + 1;
             if (hold_until(queue, value, hold, 1) < 0) failed = 1;

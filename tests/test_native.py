@@ -272,6 +272,50 @@ async def test_a_graph_spanning_two_devices_replays_without_a_python_command(
             await buf.free()
 
 
+async def test_a_failure_holding_a_pushed_command_keeps_what_it_reads_and_it_still_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``queue._hold`` raising (an interrupt arriving there) after C pushed a command, for a
+    repeat launch and for a graph replay: the error reaches the caller, what the command reads
+    stays on the queue's hold list (appended from C), and the command runs all the same."""
+    if native.replayer(Signal, Buffer) is None:
+        pytest.skip(
+            "the C launch and replay are part of the extension module, built only with Python's headers"
+        )
+    async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other:
+        inc = await dev.program("inc", INC)
+        inc_b = await other.program("inc", INC)
+        a, b = await int_buffer(DEV), await int_buffer(DEV)
+        x, y = await int_buffer(DEV), await int_buffer(OTHER)
+        async with dev.capture() as graph:
+            inc(x)
+            await y.copy_from(x)
+            inc_b(y)
+        inc(a)
+        await inc(b)  # (both cached: the next launch of `a` is a repeat launch, held anew)
+        queue = dev.queues["compute"]
+        real = HostQueue._hold
+
+        def interrupted(self: HostQueue, value: int, keep: object) -> None:
+            monkeypatch.setattr(HostQueue, "_hold", real)
+            raise RuntimeError("interrupted while holding")
+
+        for submit, queues in ((lambda: inc(a), [queue]), (graph.replay, [queue, other.queues["compute"]])):
+            monkeypatch.setattr(HostQueue, "_hold", interrupted)
+            before = [q.timeline.submitted for q in queues]
+            with pytest.raises(RuntimeError, match="interrupted while holding"):
+                submit()
+            held = [q for q in queues if q._held and q._held[-1][0] == q.timeline.submitted]
+            assert [q.timeline.submitted for q in queues] != before and held, "the pushed command is not held"
+        await rt.synchronize(dev, other)
+        assert (await a.numpy()).tolist() == [2]
+        assert (await x.numpy()).tolist() == [1]
+        await graph.replay()  # the interrupted replay left everything usable
+        assert (await y.numpy()).tolist() == [3] and (await x.numpy()).tolist() == [2]
+        for buf in (a, b, x, y):
+            await buf.free()
+
+
 async def test_a_command_of_a_halted_queue_completes_only_after_its_dependencies() -> None:
     """A device with a sticky error fails its queued native commands, but each only once the
     commands it depends on (another device's, held by a gate) completed: completing early would
