@@ -243,7 +243,9 @@ class TwoStagePipeline:
             """Read outputs ``len(outputs)`` .. ``upto``, all done once ``upto`` is."""
             newest = await read(outs[upto % ring])  # the one wait
             while len(outputs) < upto:
-                outputs.append(await read_done(outs[len(outputs) % ring]))
+                buf = outs[len(outputs) % ring]
+                done = read_now(buf)  # (its writes are done: the replays complete in order)
+                outputs.append(done if done is not None else await read(buf))
             outputs.append(newest)
 
         for i, batch in enumerate(batches):
@@ -268,14 +270,15 @@ def ring_size(depth: int, group: int) -> int:
     return -(-(depth + group + 1) // depth) * depth
 
 
-async def read_done(buf: Buffer) -> FloatArray:
-    """:func:`read` for an output whose writes are known to be done: copied at once where that can
-    be done on this thread (no trip through the event loop), else through :func:`read`."""
+def read_now(buf: Buffer) -> FloatArray | None:
+    """A snapshot of ``buf`` taken at once on this thread (no trip through the event loop), for
+    an output whose writes are known to be done; None where it cannot be (``copyout_nowait``
+    says WouldBlock: a backend without host memory), and :func:`read` is the way."""
     out: FloatArray = np.empty(buf.size, dtype=np.float32)
     try:
         buf.copyout_nowait(out)
     except anyio.WouldBlock:
-        return await read(buf)
+        return None
     return out
 
 

@@ -151,7 +151,9 @@ def refuse(what: str) -> Callable[..., object]:
 
 def c_replay_or_skip() -> None:
     if native.replayer(Signal, Buffer) is None:
-        pytest.skip("the C replay is part of the extension module, built only with Python's headers")
+        pytest.skip(
+            "the C launch and replay are part of the extension module, built only with Python's headers"
+        )
 
 
 async def test_a_native_replay_is_submitted_by_c_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, Signal, native
 from aiotinyrt.program import HostQueue
 from tests.test_faults import inject_failure
+from tests.test_graph import c_replay_or_skip
 from tests.test_ordering import assert_stays_pending
 from tests.test_signals import GATE, INC, SPIN, STAMP, assert_cancelled_at_entry, gate_on, int_buffer
 
@@ -278,10 +279,7 @@ async def test_a_failure_holding_a_pushed_command_keeps_what_it_reads_and_it_sti
     """``queue._hold`` raising (an interrupt arriving there) after C pushed a command, for a
     repeat launch and for a graph replay: the error reaches the caller, what the command reads
     stays on the queue's hold list (appended from C), and the command runs all the same."""
-    if native.replayer(Signal, Buffer) is None:
-        pytest.skip(
-            "the C launch and replay are part of the extension module, built only with Python's headers"
-        )
+    c_replay_or_skip()
     async with rt.open_device(DEV) as dev, rt.open_device(OTHER) as other:
         inc = await dev.program("inc", INC)
         inc_b = await other.program("inc", INC)
