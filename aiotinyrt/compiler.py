@@ -32,7 +32,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from aiotinyrt.helpers import getenv, getenv_str
+from aiotinyrt.helpers import cache_path, getenv
 
 T = TypeVar("T")
 
@@ -45,16 +45,6 @@ class CompileError(RuntimeError):
         super().__init__(full)
         self.diagnostics = diagnostics
         self.src = src
-
-
-def cache_path() -> Path:
-    """Where the persistent compile cache lives (``CACHEDB`` wins over ``XDG_CACHE_HOME``)."""
-    explicit = getenv_str("CACHEDB")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = getenv_str("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "aiotinyrt" / "cache.db"
 
 
 class DiskCache:

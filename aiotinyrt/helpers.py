@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shlex
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 
 def getenv(key: str, default: int = 0) -> int:
@@ -56,3 +59,39 @@ def format_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def cache_path() -> Path:
+    """Where the persistent compile cache lives (``CACHEDB`` wins over ``XDG_CACHE_HOME``); the
+    first-use build of the native queue library is kept beside it."""
+    explicit = getenv_str("CACHEDB")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = getenv_str("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "aiotinyrt" / "cache.db"
+
+
+def find_cc() -> list[str] | None:
+    """The C compiler command: ``$CC`` (None when it names no program), else clang, else gcc
+    (clang first: kernels tinygrad generates use clang's vector extensions)."""
+    env = getenv_str("CC")
+    if env:
+        argv = shlex.split(env)
+        return argv if argv and shutil.which(argv[0]) else None
+    for name in ("clang", "gcc", "cc"):
+        path = shutil.which(name)
+        if path is not None:
+            return [path]
+    return None
+
+
+def fmt_time(seconds: float) -> str:
+    """Format a duration for humans (``12.3 µs``)."""
+    if math.isnan(seconds):
+        return "n/a"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"

@@ -1,0 +1,329 @@
+"""The native half of the host worker queue: a command ring and its run loop, in C.
+
+Why it exists
+=============
+A launch of a tiny kernel is about a microsecond of work. Run by a Python worker thread, each
+command also costs several microseconds of Python *and* the GIL, which the event loop thread
+needs to submit the next launch: the two threads take turns instead of running side by side.
+Here the worker's inner loop is C. Python only writes a command into the ring (one cffi call,
+which also wakes a sleeping worker) and the worker runs every native command without the GIL:
+a kernel call through a function pointer, with its pointer and int arguments from an argument
+block the program prepared once. The Python worker thread sits in :func:`hq_run` (GIL
+released) and comes back to Python only when it must:
+
+* ``R_PY``: the next command is a Python one (copies, transfers, split kernels, graph replays,
+  anything with cross-queue dependencies); it runs exactly as before;
+* ``R_WAKE``: the command just run reached the smallest value a waiter registered on the
+  timeline (``wake_at``); Python advances the timeline itself, so internal callbacks (deferred
+  frees) run before ``completed`` moves, then wakes the waiting tasks;
+* ``R_HALTED``: the device holds a sticky error (or is closing); Python fails the command.
+
+Memory ordering: the worker's "check ``wake_at``, then store ``completed``" and a waiter's "store
+``wake_at``, then read ``completed``" (:func:`hq_set_wake`) run under one tiny spinlock, so a
+waiter registered concurrently is either seen before ``completed`` moves (and its callback runs
+first) or sees the new value and fires itself: a poller never sees a value whose deferred frees
+have not run, and a wake-up cannot be lost. The worker's sleep (``sleeping`` vs. the slot's
+sequence number) is a store-then-load handshake with sequentially consistent atomics.
+
+The ring is a linked list of fixed-size chunks, allocated on demand and recycled once the worker
+passed them, so any number of commands may be in flight without blocking the submitter.
+
+Calling convention: every argument travels as a 64-bit integer. On x86-64 and AArch64 (SysV /
+AAPCS64, Linux) a pointer or a 32-bit int passed in a 64-bit slot lands where the callee reads
+it, so ``fn(a0, ..., an)`` with ``uint64_t`` parameters calls a kernel declared with pointers
+and ``int`` vals correctly. Other platforms use the Python worker (:func:`load` returns None).
+
+The library is built once per machine with the C compiler the CPU backend uses and kept next to
+the compile cache (``CACHEDB``'s directory, else ``$XDG_CACHE_HOME/aiotinyrt``); without a
+compiler, or with ``NATIVE_QUEUE=0``, every queue runs on the pure-Python worker, which has the
+same semantics. Built with Python's headers (when present) the library is also a CPython extension
+module with two hot paths: ``push()`` and ``launch()``, the repeat launch of ``Program.__call__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import cffi
+
+from aiotinyrt.helpers import cache_path, debug_level, find_cc, getenv, getenv_str
+
+_DIR = Path(__file__).parent
+#: The files of the library: the ring and run loop, and the extension module's two files.
+_RING_SOURCES = ("hostq.c",)
+_PY_SOURCES = ("hostq.c", "pyext.c", "replay.c")
+_HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h")
+#: The C flags of every build (setup.py's and the first-use one).
+CFLAGS = ("-O2", "-pthread", "-Wall", "-Wextra", "-Werror")
+SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-omit-frame-pointer",
+    "-fno-sanitize-recover=undefined",
+    "-g",
+)
+
+
+def _header() -> tuple[dict[str, int], str]:
+    """hostq.h's integer constants, and its declarations for cffi (every other line)."""
+    constants: dict[str, int] = {}
+    decls = ["typedef struct hq_view hq_t;"]
+    for line in (_DIR / "hostq.h").read_text().splitlines():
+        match = re.match(r"#define (\w+) (\d+)", line)
+        if match:
+            constants[match.group(1)] = int(match.group(2))
+        elif not line.startswith("#"):
+            decls.append(line)
+    return constants, "\n".join(decls)
+
+
+_CONSTANTS, CDEF = _header()
+#: Most arguments a native command may take; longer calls run on the Python path.
+MAX_ARGS = _CONSTANTS["HQ_MAX_ARGS"]
+#: Slots per ring chunk.
+CHUNK = _CONSTANTS["HQ_CHUNK"]
+#: Device times are kept for this many latest commands of each queue (a power of two).
+ELAPSED_SLOTS = _CONSTANTS["HQ_ELAPSED_SLOTS"]
+K_PY, K_NATIVE = _CONSTANTS["K_PY"], _CONSTANTS["K_NATIVE"]
+R_PY, R_WAKE, R_HALTED, R_DEPS = (_CONSTANTS[k] for k in ("R_PY", "R_WAKE", "R_HALTED", "R_DEPS"))
+NO_WAKE = (1 << 63) - 1
+
+
+def source_digest() -> str:
+    """A digest of the C sources: setup.py bakes it into the installed build, and a build whose
+    digest differs from the files beside it (an edited checkout) is not used."""
+    h = hashlib.sha256()
+    for name in (*_PY_SOURCES, *_HEADERS):
+        h.update(name.encode() + b"\0" + (_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+ffi = cffi.FFI()
+ffi.cdef(CDEF)
+
+_lock = threading.Lock()
+_loaded: list[Any] = []  # [lib or None] once load() ran
+
+
+def _cache_dir() -> Path:
+    """Next to the compile cache (``CACHEDB``, else ``$XDG_CACHE_HOME/aiotinyrt``)."""
+    return cache_path().parent
+
+
+def supported() -> bool:
+    """True where the uniform 64-bit argument convention holds (see the module docstring)."""
+    return sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64")
+
+
+def _python_include() -> str | None:
+    include = sysconfig.get_paths().get("include")
+    return include if include and os.path.exists(os.path.join(include, "Python.h")) else None
+
+
+def _compile(cc: list[str], sources: tuple[str, ...], flags: list[str], tag: str) -> Path | None:
+    """Build ``sources`` with ``flags`` into the cache directory (once per machine and source
+    digest); None on failure."""
+    key = "\0".join([source_digest(), *cc, platform.machine(), *flags])
+    target = _cache_dir() / f"hostq-{tag}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".hostq-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [*cc, *CFLAGS, "-fPIC", "-shared", *flags, *(str(_DIR / f) for f in sources), "-o", tmp],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)  # atomic: concurrent processes each install a whole file
+    except (OSError, subprocess.SubprocessError) as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if debug_level() >= 1:
+            stderr = getattr(exc, "stderr", b"") or b""
+            print(f"aiotinyrt: native queue ({tag}) not built: {exc}\n{stderr.decode(errors='replace')}")
+        return None
+    return target
+
+
+def _import_built(path: Path) -> tuple[Any, Any]:
+    """The library at ``path``: its C functions (cffi) and the extension module it also is."""
+    spec = importlib.util.spec_from_file_location("_hostq", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return ffi.dlopen(str(path)), module
+
+
+def _installed() -> tuple[Any, Any] | None:
+    """The extension module built at install time (setup.py), if it is there and was built from
+    the sources beside it."""
+    spec = importlib.util.find_spec("aiotinyrt.native._hostq")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        module = importlib.import_module("aiotinyrt.native._hostq")
+    except ImportError:
+        return None
+    if getattr(module, "SOURCE_DIGEST", None) != source_digest():
+        if debug_level() >= 1:
+            print("aiotinyrt: the installed native queue was built from other sources; building anew")
+        return None
+    return ffi.dlopen(spec.origin), module
+
+
+def _build() -> tuple[Any, Any] | None:
+    """The installed build, else (or with ``NATIVE_SANITIZE=1``) one built now with the C compiler."""
+    sanitize = getenv("NATIVE_SANITIZE") == 1
+    if not sanitize:
+        installed = _installed()
+        if installed is not None:
+            return installed
+    native_cc = getenv_str("NATIVE_CC")
+    cc = shlex.split(native_cc) if native_cc else find_cc()
+    if not cc:
+        return None
+    flags = list(SANITIZE_FLAGS) if sanitize else []
+    include = _python_include()
+    if include is not None:  # the library doubles as an extension module with a fast push()
+        tag = ("asan-" if sanitize else "") + (sys.implementation.cache_tag or "py")
+        digest = f'-DHQ_SOURCE_DIGEST="{source_digest()}"'
+        path = _compile(cc, _PY_SOURCES, [*flags, digest, f"-I{include}"], tag)
+        if path is not None:
+            return _import_built(path)
+    path = _compile(cc, _RING_SOURCES, flags, "asan-c" if sanitize else "c")
+    if path is None:
+        return None
+    lib = ffi.dlopen(str(path))
+    return lib, None
+
+
+def load() -> Any:
+    """The native queue library (built and cached on first use), or None where it is unavailable
+    or disabled by ``NATIVE_QUEUE=0``."""
+    built = _load()
+    return None if built is None else built[0]
+
+
+def _hot(name: str, cffi_form: Callable[[Any], Callable[..., Any]]) -> Any:
+    """The extension module's function ``name`` (no libffi, no GIL release), or where the library
+    was built without Python's headers ``cffi_form(lib)``. Call only after :func:`load` succeeded."""
+    built = _load()
+    assert built is not None
+    lib, module = built
+    return getattr(module, name) if module is not None else cffi_form(lib)
+
+
+def _push_cffi(lib: Any) -> Callable[..., int]:
+    cast = ffi.cast
+
+    def push(q: int, kind: int, fn: int, nargs: int, args: int, ndeps: int = 0, deps: int = 0) -> int:
+        value = int(lib.hq_push_deps(cast("hq_t *", q), kind, fn, nargs, args, ndeps, deps))
+        if value < 0:
+            raise MemoryError("out of memory for the command queue")
+        return value
+
+    return push
+
+
+def pusher() -> Callable[..., int]:
+    """``push(queue_address, kind, fn, nargs, args[, ndeps, deps]) -> value``. With ``ndeps``, the
+    command runs once every ``(queue address, value)`` pair of the ``int64_t[2 * ndeps]`` at
+    ``deps`` is complete (waited for by the worker, in C). Raises ``MemoryError`` when no ring
+    chunk can be allocated."""
+    return _hot("push", _push_cffi)  # type: ignore[no-any-return]
+
+
+def completer() -> Callable[[int, int], None]:
+    """``complete(queue_address, value)``: store ``completed`` from Python and wake workers of
+    other queues waiting for it."""
+
+    def complete_cffi(lib: Any) -> Callable[[int, int], None]:
+        return lambda q, value: lib.hq_complete(ffi.cast("hq_t *", q), value)
+
+    return _hot("complete", complete_cffi)  # type: ignore[no-any-return]
+
+
+_configured: list[type] = []
+
+
+def launcher(signal_type: type, buffer_type: type) -> Callable[..., Any] | None:
+    """The C ``launch(bufs, by_bufs, timeline, queue)`` of the extension module (see SOURCE),
+    configured for these classes, or None without the extension module."""
+    built = _load()
+    if built is None or built[1] is None:
+        return None
+    module = built[1]
+    if _configured != [signal_type, buffer_type]:
+        with _lock:
+            module.configure(signal_type, buffer_type)
+            _configured[:] = [signal_type, buffer_type]
+    return module.launch  # type: ignore[no-any-return]
+
+
+def replayer(signal_type: type, buffer_type: type) -> Callable[[tuple[Any, ...]], Any] | None:
+    """The C ``replay(runs)`` of the extension module (Graph.replay's submission, see SOURCE),
+    configured for these classes, or None without the extension module."""
+    if launcher(signal_type, buffer_type) is None:
+        return None
+    built = _load()
+    assert built is not None
+    return built[1].replay  # type: ignore[no-any-return]
+
+
+def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any, vals_key: object) -> bool:
+    """Make ``program_type.__call__`` the extension module's C function, which runs the repeat
+    launch itself and hands every other call to ``call_py`` unchanged; False (nothing done)
+    without the extension module. Idempotent."""
+    built = _load()
+    if built is None or built[1] is None:
+        return False
+    with _lock:
+        if program_type.__dict__.get("__call__") is not call_py:
+            return True  # installed already
+        built[1].install(program_type, call_py, capturing, vals_key)
+    return True
+
+
+async def prepare() -> None:
+    """Build (first use on this machine: ~0.7 s of compiler here) or load the library in a worker
+    thread, so that opening a device afterwards does not do it on the event loop thread.
+    ``open_device()`` and the demo call it; code that opens devices with ``Device[name]`` on a
+    loop can await it first.
+
+    Cancellation: cancels the wait; a build already running finishes in its thread and is used
+    by the next device opened.
+    """
+    if _loaded:
+        await anyio.lowlevel.checkpoint()
+        return
+    await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+
+
+def _load() -> tuple[Any, Any] | None:
+    if getenv("NATIVE_QUEUE", 1) == 0 or not supported():
+        return None
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _loaded.append(_build())
+    return _loaded[0]  # type: ignore[no-any-return]
