@@ -34,7 +34,7 @@ from aiotinyrt import (
     native,
     synchronize,
 )
-from aiotinyrt.program import fmt_time
+from aiotinyrt.helpers import fmt_time
 
 SAXPY = """
 void saxpy(float* restrict out, const float* restrict x, const float* restrict y, int n, int a) {

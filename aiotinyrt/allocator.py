@@ -16,17 +16,29 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio.lowlevel
 
 from aiotinyrt.helpers import debug_level, format_bytes, getenv
-from aiotinyrt.program import Signal, when_all_done
-
-if TYPE_CHECKING:
-    from aiotinyrt.device import Compiled
+from aiotinyrt.queue import Queue
+from aiotinyrt.signal import Signal, when_all_done
 
 T = TypeVar("T")
+
+
+class AllocatorOwner(Protocol):
+    """What an allocator needs of its device (implemented by ``AllocatorOwner``)."""
+
+    name: str
+    _copy_queue: Queue
+
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def allocator(self) -> Allocator[Any]: ...
+    def _check_open(self) -> None: ...
+    def _barrier(self) -> tuple[Signal, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,7 @@ class Allocator(Generic[T]):
     #: queued. Only for backends whose device memory is host memory, so the hooks never block.
     inline_copy_bytes: int = 0
 
-    def __init__(self, device: Compiled) -> None:
+    def __init__(self, device: AllocatorOwner) -> None:
         self.device = device
         self.limit: int | None = None
         self._lock = threading.Lock()
@@ -153,12 +165,12 @@ class Allocator(Generic[T]):
     def _copyout(self, dest: memoryview, src: T) -> None:
         raise NotImplementedError
 
-    def _transfer(self, dest: T, src: Any, nbytes: int, src_device: Compiled) -> None:
+    def _transfer(self, dest: T, src: Any, nbytes: int, src_device: AllocatorOwner) -> None:
         """Copy ``nbytes`` from another device's memory. Only called when
         :meth:`_can_transfer_from` says this backend can."""
         raise NotImplementedError
 
-    def _can_transfer_from(self, src_device: Compiled) -> bool:
+    def _can_transfer_from(self, src_device: AllocatorOwner) -> bool:
         return False
 
     # Native variants (see aiotinyrt.native): the same copy as one C call the queue's worker makes
@@ -350,7 +362,7 @@ class Allocator(Generic[T]):
                 f"{self.device.name} holds no data to copy out (set NULL_ALLOW_COPYOUT=1 to read zeros)"
             )
 
-    async def transfer(self, dest: T, src: Any, nbytes: int, src_device: Compiled) -> None:
+    async def transfer(self, dest: T, src: Any, nbytes: int, src_device: AllocatorOwner) -> None:
         """Copy ``nbytes`` from ``src`` (memory of ``src_device``) into ``dest`` on this device.
 
         Direct when the backend can (CPU to CPU:N: one memcpy on this device's copy worker);
@@ -361,8 +373,21 @@ class Allocator(Generic[T]):
         nbytes = _check_nbytes(self.device.name, nbytes)
         self._check_copy_size(dest, nbytes, "transfer")
         src_device.allocator._check_copy_size(src, nbytes, "transfer")
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        self.device._check_open()
         deps = self.device._barrier() + src_device._barrier()
-        await self.device._submit_transfer(dest, src, nbytes, src_device, deps, keep=(dest, src))
+        keep = (dest, src)
+        queue = self.device._copy_queue
+        if src_device is self.device or self._can_transfer_from(src_device):
+            call = self._native_transfer(dest, src, nbytes) if queue.native else None
+            await queue.submit_either(call, self._transfer, (dest, src, nbytes, src_device), deps, keep)
+            return
+        src_device.allocator.check_copyout()
+        staging = memoryview(bytearray(nbytes))
+        out_sig = src_device._copy_queue.submit(
+            src_device.allocator._copyout, (staging, src), deps, keep=keep
+        )
+        await queue.submit(self._copyin, (dest, staging), (out_sig,), keep=(keep, staging))
 
 
 class LRUAllocator(Allocator[T]):
@@ -371,7 +396,7 @@ class LRUAllocator(Allocator[T]):
     ``external_ptr`` bypass it. On out-of-memory the cache is emptied and the allocation retried
     once."""
 
-    def __init__(self, device: Compiled) -> None:
+    def __init__(self, device: AllocatorOwner) -> None:
         super().__init__(device)
         self._cache: defaultdict[tuple[int, BufferSpec], list[T]] = defaultdict(list)
         self._cached = 0

@@ -1,15 +1,10 @@
 """Buffer: typed device memory with views, automatic ordering of work on it, and deferred free.
 
-Ordering (hazards)
-------------------
-Every command that touches a buffer reads or writes a byte range ``[offset, offset + nbytes)``
-of its *base* allocation. The base keeps a short list of the accesses still worth knowing about:
-``(start, end, signal, is_write)``. A new access depends on every overlapping write
-(read-after-write, write-after-write) and, if it writes, on every overlapping read
-(write-after-read). Dependencies on the command's own queue are implied by that queue's order
-and dropped; the rest are resolved by the device worker that runs the command, never by the
-event loop. A write forgets the accesses it fully covers (it is ordered after them, so anything
-later that overlaps them overlaps it too); disjoint views never wait for each other.
+Ordering
+--------
+A base buffer keeps the access records of the commands that may still use it
+(:mod:`aiotinyrt.hazards`); every launch and copy is ordered after the pending ones it
+conflicts with.
 
 Free
 ----
@@ -19,21 +14,21 @@ using it completes (immediately if none is pending). Views of a freed base becom
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 
+from aiotinyrt import hazards
 from aiotinyrt.allocator import BufferSpec, host_bytes
 from aiotinyrt.dtype import DType
-from aiotinyrt.program import Signal, Timeline
+from aiotinyrt.queue import capturing
+from aiotinyrt.registry import Device, DeviceLike
+from aiotinyrt.signal import Signal, Timeline
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from aiotinyrt.device import Compiled
 
 
 class Buffer:
@@ -67,8 +62,6 @@ class Buffer:
         base: Buffer | None = None,
         offset: int = 0,
     ) -> None:
-        from aiotinyrt.device import Device
-
         if not isinstance(dtype, DType):
             raise TypeError(f"dtype must be a DType (e.g. dtypes.float32), got {dtype!r}")
         if type(size) is not int:
@@ -84,11 +77,11 @@ class Buffer:
         self.offset = offset
         self.nbytes = size * dtype.itemsize  #: size in bytes
         self._base = base
-        self._dev: Compiled | None = None
+        self._dev: DeviceLike | None = None
         self._handle: Any = None
         self._freed = False
-        # on a base: (start, end, signal, is_write) of accesses that may still be pending
-        self._accesses: list[tuple[int, int, Signal, bool]] = []
+        # on a base: the accesses that may still be pending (see aiotinyrt.hazards)
+        self._accesses: list[hazards.Access] = []
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else ("allocated" if self.is_allocated() else "unallocated")
@@ -106,14 +99,12 @@ class Buffer:
         return self._freed or (self._base is not None and self._base._freed)
 
     @property
-    def device_obj(self) -> Compiled:
+    def device_obj(self) -> DeviceLike:
         """The device instance holding this buffer's memory (opened on first allocation). After
         that device is closed, operations raise ``DeviceError``; the name is never reopened."""
         dev = self.base._dev
         if dev is not None:
             return dev
-        from aiotinyrt.device import Device
-
         return Device[self.device]
 
     def is_allocated(self) -> bool:
@@ -147,7 +138,7 @@ class Buffer:
 
     def pending(self) -> list[Signal]:
         """Signals of work still using this buffer's memory (reads and writes not yet done)."""
-        return [sig for _, _, sig, _ in self.base._accesses if sig.timeline.completed < sig.value]
+        return hazards.pending(self.base._accesses)
 
     async def free(self) -> None:
         """Free the buffer. The memory is released when the work using it completes; this does not
@@ -224,68 +215,29 @@ class Buffer:
         self._handle = self.device_obj.allocator._offset(base._handle, self.nbytes, self.offset)
         return self._handle
 
-    def _conflicts(self, write: bool) -> Iterator[Signal]:
-        """Pending commands (any queue) a new access to these bytes must follow: for a write,
-        every pending access of overlapping bytes; for a read, the pending writes."""
-        start = self.offset
-        end = start + self.nbytes
-        for a_start, a_end, sig, a_write in self.base._accesses:
-            if (a_write or write) and a_start < end and start < a_end and sig.timeline.completed < sig.value:
-                yield sig
-
     def dependencies(self, timeline: Timeline, write: bool) -> list[Signal]:
         """Signals on other timelines that a new access on ``timeline`` must wait for."""
-        if not self.base._accesses:
-            return []
-        return [sig for sig in self._conflicts(write) if sig.timeline is not timeline]
+        start = self.offset
+        return hazards.dependencies(self.base._accesses, start, start + self.nbytes, timeline, write)
 
     def _idle(self, write: bool) -> bool:
-        """No pending command on any queue conflicts with a new access to these bytes: an access
-        now, on the calling thread, is ordered exactly as one queued now would be."""
-        return not self.base._accesses or next(self._conflicts(write), None) is None
+        """No pending command conflicts with a new access to these bytes (see :func:`hazards.idle`)."""
+        return hazards.idle(self.base._accesses, self.offset, self.offset + self.nbytes, write)
 
     def record(self, sig: Signal, write: bool) -> None:
         """Remember that the command of ``sig`` reads or writes this buffer's bytes."""
         base = self._base
-        start = self.offset
-        end = start + self.nbytes
         if base is None:
             if write:  # a whole-buffer write covers every earlier access
-                self._accesses = [(0, end, sig, True)]
+                self._accesses = hazards.whole_write(self.nbytes, sig)
                 return
             base = self
-        accesses = base._accesses
-        if write:
-            accesses = [a for a in accesses if not (start <= a[0] and a[1] <= end)]
-        else:
-            # A read supersedes earlier reads of the same bytes on the same queue: that queue
-            # finishes them first, so waiting for this one waits for them. This keeps the list
-            # short when many launches read a buffer without writing it.
-            timeline = sig.timeline
-            if accesses:
-                last = accesses[-1]
-                if not last[3] and last[2].timeline is timeline and last[0] == start and last[1] == end:
-                    accesses[-1] = (start, end, sig, False)
-                    return
-            if len(accesses) >= 8:
-                accesses = [
-                    a
-                    for a in accesses
-                    if a[2].timeline.completed < a[2].value
-                    and (a[3] or a[2].timeline is not timeline or not (start <= a[0] and a[1] <= end))
-                ]
-        accesses.append((start, end, sig, write))
-        base._accesses = accesses
+        start = self.offset
+        base._accesses = hazards.recorded(base._accesses, start, start + self.nbytes, sig, write)
 
     def pending_writes(self) -> list[Signal]:
         """Signals of writes to this buffer's bytes that are not done yet."""
-        start = self.offset
-        end = start + self.nbytes
-        return [
-            sig
-            for a_start, a_end, sig, a_write in self.base._accesses
-            if a_write and a_start < end and start < a_end and sig.timeline.completed < sig.value
-        ]
+        return hazards.pending_writes(self.base._accesses, self.offset, self.offset + self.nbytes)
 
     # ---- copies -----------------------------------------------------------------------------------
     def _check_host(self, mv: object, writable: bool, what: str) -> memoryview:
@@ -468,5 +420,53 @@ class Buffer:
             raise TypeError(f"copy_from needs a Buffer, got {type(src).__name__}")
         if src.nbytes != self.nbytes:
             raise ValueError(f"copy_from size mismatch: {src.nbytes} bytes into {self.nbytes} bytes")
-        await self.device_obj._submit_copy(self, src)
+        await _submit_copy(self, src)
         return self
+
+
+async def _submit_copy(dest: Buffer, src: Buffer) -> None:
+    """Copy ``src`` into ``dest`` on ``dest``'s copy queue and wait for it (``Buffer.copy_from``)."""
+    device = dest.device_obj
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    device._check_open()
+    src_dev = src.device_obj
+    dst_handle, src_handle = dest.handle(), src.handle()
+    queue = device._copy_queue
+    alloc = device.allocator
+    graph = capturing.get()
+    if graph is not None:
+        await anyio.lowlevel.checkpoint()
+        if src_dev is device or alloc._can_transfer_from(src_dev):
+            args = (dst_handle, src_handle, dest.nbytes, src_dev)
+            graph._record(queue, alloc._transfer, args, (dest, src), [True, False])
+            return
+        src_dev.allocator.check_copyout()
+        staging = memoryview(bytearray(src.nbytes))
+        out_args = (staging, src_handle)
+        graph._record(src_dev._copy_queue, src_dev.allocator._copyout, out_args, (src,), [False])
+        graph._record(queue, alloc._copyin, (dst_handle, staging), (dest,), [True])
+        return
+    if src_dev is device or alloc._can_transfer_from(src_dev):
+        deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
+        call = alloc._native_transfer(dst_handle, src_handle, dest.nbytes) if queue.native else None
+        args = (dst_handle, src_handle, dest.nbytes, src_dev)
+        sig = queue.submit_either(call, alloc._transfer, args, deps, (dest, src))
+        src.record(sig, False)
+        dest.record(sig, True)
+        await sig
+        return
+    # staging through host memory: the source's worker copies out, this worker copies in
+    src_dev.allocator.check_copyout()
+    staging = memoryview(bytearray(src.nbytes))
+    src_queue = src_dev._copy_queue
+    out_sig = src_queue.submit(
+        src_dev.allocator._copyout,
+        (staging, src_handle),
+        tuple(src.dependencies(src_queue.timeline, False)),
+        keep=(src, staging),
+    )
+    src.record(out_sig, False)
+    deps = (out_sig, *dest.dependencies(queue.timeline, True))
+    in_sig = queue.submit(alloc._copyin, (dst_handle, staging), deps, keep=(dest, staging))
+    dest.record(in_sig, True)
+    await in_sig

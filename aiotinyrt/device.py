@@ -1,39 +1,33 @@
-"""The device registry and Compiled, the base class of every device.
+"""Compiled, the base class of every device, and the functions over opened devices.
 
-``Device["CPU"]`` opens a backend found by scanning ``aiotinyrt/backends/ops_*.py`` (the module
-``ops_cpu`` provides ``CPUDevice``) and returns the one instance per canonical name. Every opened
-device is finalized at interpreter exit: queued work is dropped (its signals fail) and workers are
-given a bounded time to finish the command they are running, so exit never hangs.
+A device holds its four components (allocator, compiler, program loader, renderer) and its
+queues; backends pass the components to ``Compiled.__init__`` and everything shared
+(validation, ordering, synchronisation, errors, lifetime) lives in the base classes. The
+registry that opens devices by name is :mod:`aiotinyrt.registry`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib
-import os
-import pkgutil
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-import aiotinyrt.backends
-from aiotinyrt import native
+from aiotinyrt import native, registry
 from aiotinyrt.allocator import Allocator
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
 from aiotinyrt.graph import Graph, capture
-from aiotinyrt.helpers import debug_level, getenv_str
-from aiotinyrt.program import DeviceError, HostQueue, Program, Signal, _capturing
+from aiotinyrt.helpers import debug_level
+from aiotinyrt.program import Program
+from aiotinyrt.queue import HostQueue, Queue
+from aiotinyrt.registry import _DeviceRegistry
 from aiotinyrt.renderer import Kernel, Renderer
-
-# Preferred order when choosing Device.DEFAULT; backends not listed come after, alphabetically.
-_DEFAULT_PRIORITY = ("CUDA", "OPENCL", "CPU")
-_NEVER_DEFAULT = ("NULL",)
+from aiotinyrt.signal import DeviceError, Signal
 
 
 class Compiled:
@@ -57,7 +51,7 @@ class Compiled:
         self._compiler = compiler
         self._runtime = runtime
         self._renderer = renderer
-        self.queues: dict[str, HostQueue] = {q: HostQueue(self, q) for q in queues}
+        self.queues: dict[str, Queue] = {q: self._make_queue(q) for q in queues}
         self._compute_queue = self.queues[queues[0]]
         self._copy_queue = self.queues[queues[-1]]
         self._error: DeviceError | None = None
@@ -67,6 +61,13 @@ class Compiled:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+    def _make_queue(self, name: str) -> Queue:
+        """Backend hook: the queue called ``name``, of the kind this backend's work needs. The
+        default is host-run (:class:`~aiotinyrt.queue.HostQueue`: a worker thread runs the
+        commands); a backend with a driver returns a
+        :class:`~aiotinyrt.driverqueue.DriverQueue` over it."""
+        return HostQueue(self, name)
 
     # ---- components -----------------------------------------------------------------------------
     @property
@@ -248,255 +249,9 @@ class Compiled:
                 q._halt(True)
         return error
 
-    # ---- submission (internal; Program and Buffer call these) -----------------------------------
-    def _launch_handles(self, kernel: str, bufs: tuple[Buffer, ...]) -> list[Any]:
-        handles = []
-        for b in bufs:
-            # fast path: an allocated base buffer of this device
-            if type(b) is Buffer and b.device == self.name and b._base is None and b._handle is not None:
-                handles.append(b._handle)
-                continue
-            if not isinstance(b, Buffer):
-                raise TypeError(f"{kernel}: arguments must be Buffers, got {type(b).__name__}")
-            if b.device != self.name:
-                raise ValueError(
-                    f"{kernel}: buffer {b!r} is on {b.device}, not {self.name}; move it with copy_from"
-                )
-            handles.append(b.handle())
-        return handles
 
-    def _submit_launch(
-        self,
-        prog: Program,
-        handles: list[Any],
-        gsz: tuple[int, ...],
-        lsz: tuple[int, ...] | None,
-        vals: tuple[int, ...],
-        bufs: tuple[Buffer, ...],
-        deps: tuple[Signal, ...],
-        writes: frozenset[int] | None,
-    ) -> Signal:
-        if self._closed:
-            raise DeviceError(f"{self.name} is closed", device=self.name)
-        queue = self._compute_queue
-        graph = _capturing.get()
-        if graph is not None:
-            fn, args = prog._launcher(tuple(handles), gsz, lsz, vals)
-            flags = [writes is None or i in writes for i in range(len(bufs))]
-            return graph._record(queue, fn, args, bufs, flags, deps, prog)
-        timeline = queue.timeline
-        extra: list[Signal] = []
-        for i, b in enumerate(bufs):
-            accesses = (b._base or b)._accesses
-            # fast path: the only access known is an earlier one on this same queue
-            if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
-                extra.extend(b.dependencies(timeline, writes is None or i in writes))
-        if extra:
-            deps = deps + tuple(extra)
-        waits = queue.native_deps(deps) if deps and queue.native else []
-        entry = None if waits is None or not queue.native else prog._native_entry(handles, gsz, vals)
-        if entry is not None and waits is not None:  # the worker waits for deps and runs it in C
-            sig = queue.submit_native(entry[0], entry[1], entry[2], entry, waits)
-        else:
-            fn, args = prog._launcher(tuple(handles), gsz, lsz, vals)
-            sig = queue.submit(fn, args, deps, (bufs, prog))
-        if writes is None:
-            for b in bufs:
-                if b._base is None:  # a whole-buffer write supersedes every earlier access
-                    b._accesses = [(0, b.nbytes, sig, True)]
-                else:
-                    b.record(sig, True)
-        else:
-            for i, b in enumerate(bufs):
-                b.record(sig, i in writes)
-        return sig
-
-    async def _submit_copy(self, dest: Buffer, src: Buffer) -> None:
-        """Copy ``src`` into ``dest`` (a buffer of this device) and wait for it."""
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        self._check_open()
-        src_dev = src.device_obj
-        dst_handle, src_handle = dest.handle(), src.handle()
-        queue = self._copy_queue
-        alloc = self.allocator
-        graph = _capturing.get()
-        if graph is not None:
-            await anyio.lowlevel.checkpoint()
-            if src_dev is self or alloc._can_transfer_from(src_dev):
-                args = (dst_handle, src_handle, dest.nbytes, src_dev)
-                graph._record(queue, alloc._transfer, args, (dest, src), [True, False])
-                return
-            src_dev.allocator.check_copyout()
-            staging = memoryview(bytearray(src.nbytes))
-            out_args = (staging, src_handle)
-            graph._record(src_dev._copy_queue, src_dev.allocator._copyout, out_args, (src,), [False])
-            graph._record(queue, alloc._copyin, (dst_handle, staging), (dest,), [True])
-            return
-        if src_dev is self or alloc._can_transfer_from(src_dev):
-            deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
-            call = alloc._native_transfer(dst_handle, src_handle, dest.nbytes) if queue.native else None
-            args = (dst_handle, src_handle, dest.nbytes, src_dev)
-            sig = queue.submit_either(call, alloc._transfer, args, deps, (dest, src))
-            src.record(sig, False)
-            dest.record(sig, True)
-            await sig
-            return
-        # staging through host memory: the source's worker copies out, this worker copies in
-        src_dev.allocator.check_copyout()
-        staging = memoryview(bytearray(src.nbytes))
-        src_queue = src_dev._copy_queue
-        out_sig = src_queue.submit(
-            src_dev.allocator._copyout,
-            (staging, src_handle),
-            tuple(src.dependencies(src_queue.timeline, False)),
-            keep=(src, staging),
-        )
-        src.record(out_sig, False)
-        deps = (out_sig, *dest.dependencies(queue.timeline, True))
-        in_sig = queue.submit(alloc._copyin, (dst_handle, staging), deps, keep=(dest, staging))
-        dest.record(in_sig, True)
-        await in_sig
-
-    async def _submit_transfer(
-        self, dest: Any, src: Any, nbytes: int, src_dev: Compiled, deps: tuple[Signal, ...], keep: object
-    ) -> None:
-        """Raw-handle transfer used by ``Allocator.transfer``."""
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        self._check_open()
-        queue = self._copy_queue
-        alloc = self.allocator
-        if src_dev is self or alloc._can_transfer_from(src_dev):
-            call = alloc._native_transfer(dest, src, nbytes) if queue.native else None
-            await queue.submit_either(call, alloc._transfer, (dest, src, nbytes, src_dev), deps, keep)
-            return
-        src_dev.allocator.check_copyout()
-        staging = memoryview(bytearray(nbytes))
-        out_sig = src_dev._copy_queue.submit(src_dev.allocator._copyout, (staging, src), deps, keep=keep)
-        await queue.submit(self.allocator._copyin, (dest, staging), (out_sig,), keep=(keep, staging))
-
-
-class _DeviceRegistry:
-    """``Device[name]``: one opened :class:`Compiled` per canonical device name."""
-
-    def __init__(self) -> None:
-        self._opened: dict[str, Compiled] = {}
-        self._lock = threading.RLock()
-        self._atexit_registered = False
-
-    @property
-    def backends(self) -> list[str]:
-        """Backend names found in ``aiotinyrt/backends/ops_*.py`` (upper-case)."""
-        return sorted(
-            m.name[len("ops_") :].upper()
-            for m in pkgutil.iter_modules(aiotinyrt.backends.__path__)
-            if m.name.startswith("ops_")
-        )
-
-    @staticmethod
-    def canonicalize(name: str) -> str:
-        """``cpu`` -> ``CPU``, ``CPU:0`` -> ``CPU``, ``cpu:1`` -> ``CPU:1``; anything after the
-        first colon keeps its case (``DISK:/Path``)."""
-        if not isinstance(name, str):
-            raise TypeError(f"device name must be a str, got {type(name).__name__}")
-        backend, sep, rest = name.partition(":")
-        out = backend.upper() + sep + rest
-        return out[:-2] if out.endswith(":0") else out
-
-    def _backend_class(self, backend: str) -> Callable[[str], Compiled]:
-        if backend not in self.backends:
-            raise ValueError(
-                f"unknown device backend {backend!r}; available backends: {', '.join(self.backends)}"
-            )
-        module = importlib.import_module(f"aiotinyrt.backends.ops_{backend.lower()}")
-        cls: Callable[[str], Compiled] = getattr(module, f"{backend}Device")
-        return cls
-
-    def __getitem__(self, name: str) -> Compiled:
-        canonical = self.canonicalize(name)
-        device = self._opened.get(canonical)
-        if device is not None:
-            return device
-        backend, _, suffix = canonical.partition(":")
-        if not backend:
-            raise ValueError(f"empty device name {name!r}")
-        with self._lock:
-            device = self._opened.get(canonical)
-            if device is not None:
-                return device
-            cls = self._backend_class(backend)
-            if suffix and not getattr(cls, "accepts_path", False) and not suffix.isdigit():
-                raise ValueError(f"bad device name {name!r}: the part after ':' must be a device index")
-            device = cls(canonical)
-            self._opened[canonical] = device
-            if not self._atexit_registered:
-                atexit.register(self._finalize_all)
-                self._atexit_registered = True
-            return device
-
-    def __contains__(self, name: str) -> bool:
-        return self.canonicalize(name) in self._opened
-
-    def opened(self) -> list[Compiled]:
-        """Devices currently open, in the order they were opened."""
-        return list(self._opened.values())
-
-    def _forget(self, device: Compiled) -> None:
-        with self._lock:
-            if self._opened.get(device.name) is device:
-                del self._opened[device.name]
-
-    @property
-    def DEFAULT(self) -> str:
-        """Env ``DEV`` if set, else the first backend that opens here (never NULL)."""
-        env = getenv_str("DEV")
-        if env:
-            return self.canonicalize(env)
-        order = [b for b in _DEFAULT_PRIORITY if b in self.backends]
-        order += [b for b in self.backends if b not in order and b not in _NEVER_DEFAULT]
-        for backend in order:
-            try:
-                self[backend]
-            except Exception:
-                continue
-            return backend
-        raise RuntimeError(f"no device opens here (backends tried: {', '.join(order)})")
-
-    def _finalize_all(self) -> None:
-        """Interpreter exit: drop queued work and stop workers, with a bounded wait; write the
-        PROFILE trace if asked for."""
-        write_profile(self.opened())
-        for device in self.opened():
-            with contextlib.suppress(Exception):
-                device._shutdown(drop_queued=True, join_timeout=float(os.environ.get("EXIT_JOIN_S", "2")))
-
-
-Device = _DeviceRegistry()
-
-
-def write_profile(devices: Sequence[Compiled], path: str | None = None) -> str | None:
-    """Write every queue's recorded commands as a Chrome-trace/Perfetto JSON file (env
-    ``PROFILE``: a path, or ``1`` for ``aiotinyrt_profile.json``). Returns the path written."""
-    import json
-
-    target = path or getenv_str("PROFILE")
-    if not target:
-        return None
-    if target == "1":
-        target = "aiotinyrt_profile.json"
-    events: list[dict[str, Any]] = []
-    for pid, device in enumerate(devices):
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": device.name}})
-        for tid, queue in enumerate(device.queues.values()):
-            events.append(
-                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": queue.name}}
-            )
-            for name, start, seconds in list(queue.profile or ()):
-                events.append(
-                    {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start * 1e6, "dur": seconds * 1e6}
-                )
-    with open(target, "w") as f:
-        json.dump({"traceEvents": events}, f)
-    return target
+#: ``Device["CPU"]``: the registry (:mod:`aiotinyrt.registry`), typed by what it holds.
+Device = cast("_DeviceRegistry[Compiled]", registry.Device)
 
 
 def get_available_devices() -> list[str]:

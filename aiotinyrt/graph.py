@@ -27,14 +27,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from aiotinyrt import native
-from aiotinyrt.program import HostQueue, Signal, Timeline, _capturing
-
-if TYPE_CHECKING:
-    from aiotinyrt.buffer import Buffer
-    from aiotinyrt.device import Compiled
+from aiotinyrt.buffer import Buffer
+from aiotinyrt.queue import Queue, capturing
+from aiotinyrt.registry import DeviceLike
+from aiotinyrt.signal import Signal, Timeline
 
 
 @dataclass
@@ -44,7 +43,7 @@ class _Entry:
     handle carries (CPU kernels); ``after`` lists the indices of earlier entries this one waits
     for (``wait_for`` on captured signals)."""
 
-    queue: HostQueue
+    queue: Queue
     fn: Callable[..., object]
     args: list[Any]
     bufs: list[Buffer]
@@ -97,7 +96,7 @@ class NativeRun:
 
 @dataclass
 class _Run:
-    queue: HostQueue
+    queue: Queue
     first: int  # index of its first entry
     entries: list[_Entry] = field(default_factory=list)
     native: NativeRun | None = None
@@ -116,7 +115,7 @@ class Graph:
         self._runs: list[_Run] = []
         #: every device a replay runs on or touches memory of (a folded transfer writes another
         #: device's buffer from this device's worker): each must be open to replay
-        self._devices: list[Compiled] = []
+        self._devices: list[DeviceLike] = []
         self._names: dict[str, Buffer] = {}
         self._sealed = False
         self._timeline = Timeline("capture", "graph")
@@ -142,8 +141,6 @@ class Graph:
 
     def name(self, name: str, buf: Buffer) -> None:
         """Make ``buf`` substitutable at replay as ``name``."""
-        from aiotinyrt.buffer import Buffer
-
         if not name.isidentifier():
             raise ValueError(f"graph input name must be an identifier, got {name!r}")
         if not isinstance(buf, Buffer):
@@ -152,7 +149,7 @@ class Graph:
             raise RuntimeError("name inputs while capturing, before the capture block ends")
         self._names[name] = buf
 
-    # ---- recording (called by Compiled while this graph captures) -------------------------------
+    # ---- recording (launches and copies come here while this graph captures) -------------------------------
     def _captured_signal(self) -> Signal:
         timeline = self._timeline
         timeline.submitted += 1
@@ -163,7 +160,7 @@ class Graph:
 
     def _record(
         self,
-        queue: HostQueue,
+        queue: Queue,
         fn: Callable[..., object],
         args: tuple[Any, ...],
         bufs: tuple[Buffer, ...],
@@ -218,7 +215,7 @@ class Graph:
                 run.transfer = _transfer_owner(run.entries[0].fn)
         self._runs = runs
         for entry in self._entries:
-            for dev in (entry.queue.device, *(buf.device_obj for buf in entry.bufs)):
+            for dev in (_device_of(entry.queue), *(buf.device_obj for buf in entry.bufs)):
                 if dev not in self._devices:
                     self._devices.append(dev)
 
@@ -251,7 +248,7 @@ class Graph:
             dest, src = entry.bufs[0], entry.bufs[1]
             if not any(w and b.base is src.base for b, w in zip(before.bufs, before.writes, strict=True)):
                 continue
-            compute = entry.queue.device._compute_queue
+            compute = _device_of(entry.queue)._compute_queue
             source = src.device_obj
             if before.queue is compute:
                 entry.queue = compute
@@ -391,8 +388,6 @@ class Graph:
         when a run has no native command, a queue is not native, or there is no extension
         module. C still declines (and the Python path runs) when an access it would wait for
         cannot be waited for there."""
-        from aiotinyrt.buffer import Buffer
-
         if len(plans) > _FAST_MAX_RUNS or any(command is None for *_, command in plans):
             return None
         if not all(run.queue.native for run in self._runs):
@@ -457,6 +452,12 @@ class Graph:
         return _run_calls, (calls,), accesses, (run, accesses), _transfer_command(run, calls)
 
 
+def _device_of(queue: Queue) -> DeviceLike:
+    """The device of a queue that launches and copies were captured on (their queues belong to
+    devices; a queue alone knows only the little it needs of its owner)."""
+    return cast(DeviceLike, queue.device)
+
+
 def _transfer_owner(fn: Callable[..., object]) -> Any:
     """The allocator whose ``_transfer`` ``fn`` is (a captured ``copy_from``), or None."""
     owner = getattr(fn, "__self__", None)
@@ -503,16 +504,16 @@ def _join() -> None:
 
 
 @asynccontextmanager
-async def capture(device: Compiled, named: dict[str, Buffer]) -> AsyncIterator[Graph]:
+async def capture(device: DeviceLike, named: dict[str, Buffer]) -> AsyncIterator[Graph]:
     """Implementation of ``Compiled.capture``.
 
     Cancellation: cancelled while the block's exit seals the graph (compiling native replays),
     the graph stays unsealed and cannot be replayed; nothing was run.
     """
     graph = Graph(named)
-    token = _capturing.set(graph)
+    token = capturing.set(graph)
     try:
         yield graph
     finally:
-        _capturing.reset(token)
+        capturing.reset(token)
     await graph._seal()

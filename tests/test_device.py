@@ -7,7 +7,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Compiled, Device, DeviceError, dtypes
-from aiotinyrt.device import _DeviceRegistry
+from aiotinyrt.registry import _DeviceRegistry
 from tests.test_signals import INC, SPIN, assert_cancelled_at_entry, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio

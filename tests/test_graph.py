@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import aiotinyrt as rt
 from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes, native
 from aiotinyrt.graph import Graph
-from aiotinyrt.program import HostQueue
+from aiotinyrt.queue import HostQueue
 from tests.test_faults import FAULTY, inject_failure
 from tests.test_ordering import (
     AXPB,

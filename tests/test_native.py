@@ -22,7 +22,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, Signal, native
-from aiotinyrt.program import HostQueue
+from aiotinyrt.queue import HostQueue
 from tests.test_faults import inject_failure
 from tests.test_graph import c_replay_or_skip
 from tests.test_ordering import assert_stays_pending

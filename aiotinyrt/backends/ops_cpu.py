@@ -25,7 +25,7 @@ import anyio.to_thread
 import cffi
 
 from aiotinyrt import native
-from aiotinyrt.allocator import BufferSpec, LRUAllocator
+from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
@@ -333,11 +333,11 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         else:
             _libc.memcpy(_ffi.from_buffer(dest, require_writable=True), src.ptr, dest.nbytes)
 
-    def _transfer(self, dest: CPUMemory, src: Any, nbytes: int, src_device: Compiled) -> None:
+    def _transfer(self, dest: CPUMemory, src: Any, nbytes: int, src_device: AllocatorOwner) -> None:
         # memmove: two views of one buffer may overlap
         _libc.memmove(_ffi.cast("void *", dest.addr), _ffi.cast("void *", src.addr), nbytes)
 
-    def _can_transfer_from(self, src_device: Compiled) -> bool:
+    def _can_transfer_from(self, src_device: AllocatorOwner) -> bool:
         return isinstance(src_device.allocator, CPUAllocator)
 
     def _native_copyin(self, dest: CPUMemory, src: memoryview) -> tuple[int, int, int, object] | None:

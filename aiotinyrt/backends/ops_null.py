@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio.lowlevel
 
-from aiotinyrt.allocator import BufferSpec, LRUAllocator
+from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.compiler import Compiler
 from aiotinyrt.device import Compiled
 from aiotinyrt.helpers import getenv
@@ -73,10 +73,10 @@ class NullAllocator(LRUAllocator[NullMemory]):
     def _copyout(self, dest: memoryview, src: NullMemory) -> None:
         dest[:] = bytes(dest.nbytes)
 
-    def _transfer(self, dest: NullMemory, src: Any, nbytes: int, src_device: Compiled) -> None:
+    def _transfer(self, dest: NullMemory, src: Any, nbytes: int, src_device: AllocatorOwner) -> None:
         pass
 
-    def _can_transfer_from(self, src_device: Compiled) -> bool:
+    def _can_transfer_from(self, src_device: AllocatorOwner) -> bool:
         return True
 
     def _offset(self, opaque: NullMemory, nbytes: int, offset: int) -> NullMemory:
