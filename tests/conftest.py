@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from aiotinyrt import native
+from aiotinyrt import Device, native
+from tests.fake_driver import FAKEDevice
+from tests.toy_backend import TOYDevice
+
+# The test backends of the conformance suite (tests/conformance): the skeleton of "Writing a
+# backend" and a driver-run backend over a fake driver.
+Device.register("TOY", TOYDevice)
+Device.register("FAKE", FAKEDevice)
 
 _BACKENDS = [
     pytest.param(("asyncio", {"debug": True}), id="asyncio"),

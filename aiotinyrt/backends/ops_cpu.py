@@ -11,7 +11,6 @@ import mmap
 import os
 import platform
 import queue
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -29,7 +28,7 @@ from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
-from aiotinyrt.helpers import debug_level, getenv, getenv_str
+from aiotinyrt.helpers import debug_level, find_cc, getenv
 from aiotinyrt.program import Program
 from aiotinyrt.renderer import ClangRenderer, Kernel, cpu_threads
 
@@ -81,20 +80,6 @@ def _dlerror() -> str:
 
 
 _RTLD_NOW = 2
-
-
-def find_cc() -> list[str] | None:
-    """The C compiler command: ``$CC``, else clang, else gcc (clang first: kernels tinygrad
-    generates use clang's vector extensions)."""
-    env = getenv_str("CC")
-    if env:
-        argv = shlex.split(env)
-        return argv if argv and shutil.which(argv[0]) else None
-    for name in ("clang", "gcc", "cc"):
-        path = shutil.which(name)
-        if path is not None:
-            return [path]
-    return None
 
 
 class ClangCompiler(Compiler):
