@@ -1,0 +1,283 @@
+"""Driver-run queues: the backend's driver runs the commands and reports their completion.
+
+A driver-run queue never runs a command itself. Submitting hands the command to the backend's
+:class:`Driver` from the submitting thread (usually the event loop's) and returns its Signal at
+once; the driver calls back once the command completed, from whatever thread it completes on (an
+OpenCL event callback, one waiter thread per queue), and the queue then advances its timeline and
+fires the waiters there, as a host worker does after running a command. There is no thread per
+command and nothing polls the loop.
+
+Dependencies. Commands of one queue are ordered by the driver (its queue is in order). A pending
+dependency on a queue of the same driver context becomes part of the command's wait list (the
+driver's events, as OpenCL's ``event_wait_list``). Any other pending dependency (a host-run queue,
+another driver) is waited for on the device side: the command, and every later command of this
+queue, is held back until it completes and then handed to the driver from the thread that
+completed it. The loop never waits.
+
+Completion, failure, closing follow the host-run queue's rules exactly (:mod:`aiotinyrt.queue`):
+values complete in order (a driver reporting out of order is put back in order here); a command
+that raised fails its Signal with a ``DeviceError`` that becomes the device's sticky error, and
+every command completing after it fails with that error until ``reset()``; a command whose
+dependency failed is not run; commands submitted while the device holds its error are not handed
+to the driver. Closing fails the held-back commands; those the driver has complete normally.
+
+Locks: ``_submit_lock`` orders value assignment and hand-over (so the driver sees commands in
+value order); completions take only ``_done_lock``, never while calling out, and one thread at a
+time advances the timeline with no lock held, so callbacks that submit to other queues cannot
+deadlock against this one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from aiotinyrt.helpers import debug_level, fmt_time, getenv_str
+from aiotinyrt.queue import QueueOwner, describe
+from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, when_all_done
+
+#: ``done(seconds, error)``: the driver's report that a command completed (error None: it ran).
+Done = Callable[[float, BaseException | None], None]
+
+
+class Driver(Protocol):
+    """What a backend's driver offers a :class:`DriverQueue`."""
+
+    def enqueue(
+        self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
+    ) -> object:
+        """Hand ``fn(*args)`` to the driver, to run after the events ``waits`` (of earlier
+        commands of this driver) and after every command enqueued before it on this queue.
+        Returns the command's event (what later commands' ``waits`` hold). Must call ``done``
+        exactly once, from any thread, when the command completed or failed; may raise (the
+        command then fails at once). Must not block on the completion of other work."""
+        ...
+
+
+#: Driver-run queues by their timeline's id, so a dependency can find the queue (and the event)
+#: behind a Signal. An entry lives as long as its queue is open.
+_BY_TIMELINE: dict[int, DriverQueue] = {}
+
+
+class DriverQueue:
+    """One in-order device queue whose commands a backend's driver runs (see the module
+    docstring). Offers the same submission interface as :class:`~aiotinyrt.queue.HostQueue`."""
+
+    #: Never the native ring: every command goes through the driver.
+    native = False
+
+    def __init__(self, device: QueueOwner, name: str, driver: Driver, context: object = None) -> None:
+        self.device = device
+        self.name = name
+        self.driver = driver
+        #: Queues with the same context may put each other's events in their wait lists (an
+        #: OpenCL context; default: the driver object itself).
+        self.context = driver if context is None else context
+        #: (name, start, seconds) of every command completed, when env PROFILE is set
+        self.profile: list[tuple[str, float, float]] | None = [] if getenv_str("PROFILE") else None
+        self.timeline = Timeline(device.name, name)
+        self._thread: threading.Thread | None = None  # (no worker: the driver runs commands)
+        self._stopping = False
+        self._closed_error: DeviceError | None = None
+        self._submit_lock = threading.RLock()
+        self._done_lock = threading.Lock()
+        self._next = 1
+        self._commands: dict[int, Signal] = {}  # submitted, not completed yet
+        self._events: dict[int, object] = {}  # the driver's event of each command it has
+        self._held: deque[Signal] = deque()  # waiting for a dependency elsewhere, in value order
+        self._results: dict[int, tuple[float, BaseException | None]] = {}
+        self._advancing = False
+        self._local = threading.local()  # .enqueuing: inside driver.enqueue on this thread
+        _BY_TIMELINE[id(self.timeline)] = self
+
+    def __repr__(self) -> str:
+        return f"<DriverQueue {self.timeline.label} queued={self.queued()}>"
+
+    # ---- submission -------------------------------------------------------------------------------
+    def submit(
+        self,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        deps: tuple[Signal, ...] = (),
+        keep: object = None,
+    ) -> Signal:
+        """Hand ``fn(*args)`` to the driver after ``deps``; return its Signal at once."""
+        if self._stopping:
+            raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+        pending: list[Signal] = []
+        with self._submit_lock:
+            value = self._next
+            self._next += 1
+            self.timeline.submitted = value
+            sig = Signal(self.timeline, value, fn, args, deps, keep)
+            self._commands[value] = sig
+            if self._held:
+                self._held.append(sig)  # behind a held-back command: the driver's order is ours
+            else:
+                pending = self._hand_over(sig)
+                if pending:
+                    self._held.append(sig)
+        if pending:
+            when_all_done(pending, self._flush, after=True)
+        self._advance()
+        return sig
+
+    def submit_either(
+        self,
+        call: tuple[int, int, int, object] | None,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        deps: tuple[Signal, ...],
+        keep: object,
+    ) -> Signal:
+        """As ``HostQueue.submit_either``: a driver-run queue has no native form."""
+        return self.submit(fn, args, deps, keep)
+
+    def native_deps(self, deps: Sequence[Signal]) -> list[Signal] | None:
+        """No native ring here: None (the caller takes the ordinary path)."""
+        return None
+
+    _caddr = 0  # (no native ring)
+
+    def submit_native(
+        self, fn: int, nargs: int, block: int, keep: object, deps: Sequence[Signal] = ()
+    ) -> Signal:
+        """Never called: ``native`` is False."""
+        raise TypeError(f"{self!r} has no native ring")
+
+    def _hand_over(self, sig: Signal) -> list[Signal]:
+        """Give the command to the driver (or complete it unrun: a dependency failed, or the
+        device holds its sticky error); or return the pending dependencies it must be held back
+        for. Caller holds ``_submit_lock``."""
+        device = self.device
+        waits: list[object] = []
+        pending: list[Signal] = []
+        for dep in sig._deps:
+            timeline = dep.timeline
+            if timeline is self.timeline:
+                continue  # ordered by the driver's queue (a failure there makes the device sticky)
+            other = _BY_TIMELINE.get(id(timeline))
+            event = (
+                other._events.get(dep.value) if other is not None and other.driver is self.driver else None
+            )
+            if timeline.completed >= dep.value:
+                error = dep.error()
+                if error is not None:
+                    self._finish(sig, dependency_failed(device.name, timeline.label, dep.value, error))
+                    return []
+            elif event is None:
+                pending.append(dep)
+            else:
+                waits.append(event)
+        if pending:
+            return pending
+        if device._error is not None:
+            self._finish(sig, device._error)
+            return []
+        value = sig.value
+        fn = sig._fn
+        assert fn is not None
+        start = time.perf_counter()
+
+        def done(seconds: float, error: BaseException | None) -> None:
+            self._report(value, seconds, error, start)
+
+        self._local.enqueuing = True
+        try:
+            self._events[value] = self.driver.enqueue(fn, sig._args, waits, done)
+        except BaseException as exc:  # the command fails; the queue goes on
+            self._report(value, 0.0, exc, start)
+        finally:
+            self._local.enqueuing = False
+        return []
+
+    def _flush(self) -> None:
+        """Hand over held-back commands whose dependencies completed (any thread)."""
+        pending: list[Signal] = []
+        with self._submit_lock:
+            while self._held and not pending:
+                pending = self._hand_over(self._held[0])
+                if not pending:
+                    self._held.popleft()
+        if pending:
+            when_all_done(pending, self._flush, after=True)
+        self._advance()
+
+    def _finish(self, sig: Signal, error: BaseException) -> None:
+        """Complete a command that is not run, in its turn."""
+        with self._done_lock:
+            self._results[sig.value] = (0.0, error)
+
+    # ---- completion -------------------------------------------------------------------------------
+    def _report(self, value: int, seconds: float, error: BaseException | None, start: float) -> None:
+        """The driver's ``done``: any thread, possibly inside ``enqueue`` itself."""
+        if self.profile is not None:
+            sig = self._commands.get(value)
+            name = describe(sig._fn, sig._keep) if sig is not None else "?"
+            self.profile.append((name, start, seconds))
+        with self._done_lock:
+            self._results[value] = (seconds, error)
+        if not getattr(self._local, "enqueuing", False):
+            self._advance()
+
+    def _advance(self) -> None:
+        """Complete, in value order, every command whose result is in (one thread at a time)."""
+        with self._done_lock:
+            if self._advancing:
+                return
+            self._advancing = True
+        timeline, device = self.timeline, self.device
+        debug = debug_level()
+        while True:
+            with self._done_lock:
+                value = timeline.completed + 1
+                result = self._results.pop(value, None)
+                if result is None:
+                    self._advancing = False
+                    return
+            seconds, error = result
+            sig = self._commands.pop(value)
+            self._events.pop(value, None)
+            if error is not None and not isinstance(error, DeviceError):
+                error = device._fail(error, sig)
+            elif error is None and device._error is not None:
+                error = device._error  # completed after the device's failure: failed with it
+            sig._elapsed = seconds
+            sig._error = error
+            if error is not None:
+                timeline._record_failure(value, value, error)
+            if debug >= 2:
+                print(f"{timeline.label}@{value}: {describe(sig._fn, sig._keep)} {fmt_time(seconds)}")
+            sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
+            timeline.advance(value)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def queued(self) -> int:
+        """Commands submitted and not completed."""
+        return self.timeline.submitted - self.timeline.completed
+
+    def _halt(self, halted: bool) -> None:
+        """The device's sticky error is read at each hand-over and completion: nothing to do."""
+
+    def stop(self, *, drop_queued: bool, join_timeout: float | None) -> None:
+        """Stop accepting commands; with ``drop_queued`` fail the held-back ones. Commands the
+        driver has complete normally; ``join_timeout`` seconds are waited for them (None: not
+        at all, the caller awaits the timeline)."""
+        if self._stopping:
+            return
+        name = self.device.name
+        self._closed_error = DeviceError(f"{name} was closed before this command ran", device=name)
+        self._stopping = True
+        with self._submit_lock:
+            if drop_queued:
+                while self._held:
+                    self._finish(self._held.popleft(), self._closed_error)
+        self._advance()
+        _BY_TIMELINE.pop(id(self.timeline), None)
+        if join_timeout is not None and self.queued():
+            finished = threading.Event()
+            self.timeline.add_waiter(self.timeline.submitted, finished.set, internal=True)
+            finished.wait(join_timeout)

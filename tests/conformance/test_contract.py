@@ -1,0 +1,365 @@
+"""The async contract, on every compute backend: CPU and NULL (host-run, C ring), TOY (the
+"writing a backend" skeleton: host-run, Python worker kernels) and FAKE (driver-run queues over a
+fake driver that completes commands from its own threads). Each test names the backends it is
+meaningful on: NULL runs no code, so results are checked only where kernels compute.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import aiotinyrt as rt
+from aiotinyrt import Buffer, Device, DeviceError, Program, Signal, dtypes
+from tests.fake_driver import FAKEDevice
+from tests.test_signals import GATE, INC, assert_cancelled_at_entry, fail_command
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+COMPUTING = ["CPU", "TOY", "FAKE"]
+EVERY = ["CPU", "NULL", "TOY", "FAKE"]
+
+PY_INC = "def inc(out):\n    out.cast('i')[0] += 1\n"
+PY_GATE = """
+import time
+def gate(flag, out, value):
+    f = flag.cast("i")
+    start = time.monotonic()
+    while not f[0] and time.monotonic() - start < 30:
+        time.sleep(0.0002)
+    out.cast("i")[0] = value
+"""
+
+
+async def inc_program(device: str) -> Program:
+    dev = Device[device]
+    return await dev.program("inc", INC if device.startswith(("CPU", "NULL")) else PY_INC)
+
+
+class Gate:
+    """A flag the test flips through a zero-copy host view, read by a kernel that holds its
+    queue until then and writes ``value`` to out[0]."""
+
+    def __init__(self, prog: Program, flag: Buffer, view: memoryview) -> None:
+        self.prog, self.flag, self.view = prog, flag, view
+
+    def launch(self, out: Buffer, value: int = 42, **kwargs: object) -> Signal:
+        return self.prog(self.flag, out, vals=(value,), writes=(1,), **kwargs)  # type: ignore[arg-type]
+
+    def open(self) -> None:
+        self.view.cast("i")[0] = 1
+
+
+@asynccontextmanager
+async def gate_on(device: str) -> AsyncIterator[Gate]:
+    prog = await Device[device].program("gate", GATE if device.startswith("CPU") else PY_GATE)
+    flag = await Buffer(device, 1, dtypes.int32).allocate()
+    await flag.copyin(np.zeros(1, np.int32))
+    gate = Gate(prog, flag, await flag.as_memoryview())
+    try:
+        yield gate
+    finally:
+        gate.open()
+        await Device[device].synchronize()
+        await flag.free()
+
+
+async def int_buffer(device: str, value: int = 0) -> Buffer:
+    buf = await Buffer(device, 1, dtypes.int32).allocate()
+    await buf.copyin(np.full(1, value, np.int32))
+    return buf
+
+
+async def read(buf: Buffer) -> int:
+    return int((await buf.numpy())[0])
+
+
+@pytest.fixture(params=COMPUTING)
+def computing(request: pytest.FixtureRequest) -> str:
+    """A backend whose kernels compute."""
+    return str(request.param)
+
+
+@pytest.fixture(params=EVERY)
+def every(request: pytest.FixtureRequest) -> str:
+    """Any backend."""
+    return str(request.param)
+
+
+async def test_launch_returns_a_pending_signal_at_once_and_await_gives_device_seconds(computing: str) -> None:
+    out = await int_buffer(computing)
+    async with gate_on(computing) as gate:
+        sig = gate.launch(out)
+        assert isinstance(sig, Signal) and not sig.done()
+        gate.open()
+        seconds = await sig
+    assert isinstance(seconds, float) and seconds >= 0
+    assert await read(out) == 42
+    await out.free()
+
+
+async def test_launches_on_one_queue_complete_in_order(every: str) -> None:
+    prog = await inc_program(every)
+    out = await int_buffer(every)
+    sigs = [prog(out) for _ in range(500)]
+    await sigs[-1]
+    assert all(s.done() for s in sigs)
+    assert [s.value for s in sigs] == sorted(s.value for s in sigs)
+    if every != "NULL":
+        assert await read(out) == 500
+    await out.free()
+
+
+async def test_cancelling_the_wait_leaves_the_work_running(computing: str) -> None:
+    out = await int_buffer(computing)
+    async with gate_on(computing) as gate:
+        sig = gate.launch(out)
+        with anyio.move_on_after(0.01) as scope:
+            await sig
+        assert scope.cancelled_caught and not sig.done()
+        gate.open()
+        await sig
+    assert await read(out) == 42
+    await out.free()
+
+
+async def test_free_with_work_pending_releases_the_memory_when_it_completes(computing: str) -> None:
+    stats = Device[computing].allocator.statistics
+    out = await int_buffer(computing)
+    async with gate_on(computing) as gate:
+        in_use = stats().bytes_in_use
+        sig = gate.launch(out)
+        await out.free()
+        assert stats().bytes_in_use == in_use, "freed while the kernel still writes it"
+        gate.open()
+        await sig
+        assert stats().bytes_in_use == in_use - out.nbytes
+
+
+async def test_a_copy_on_the_copy_queue_waits_for_the_kernel_writing_its_memory(computing: str) -> None:
+    out = await int_buffer(computing)
+    host = np.zeros(1, np.int32)
+    async with gate_on(computing) as gate:
+        gate.launch(out, 7)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(out.copyout, host)
+            await anyio.wait_all_tasks_blocked()
+            assert host[0] == 0
+            gate.open()
+    assert host[0] == 7
+    await out.free()
+
+
+@pytest.mark.parametrize("dest", COMPUTING)
+async def test_copy_from_between_any_two_devices_is_ordered_after_the_source_write(
+    computing: str, dest: str
+) -> None:
+    target = dest if dest != computing else f"{dest}:1"
+    src = await int_buffer(computing)
+    dst = await int_buffer(target, 5)
+    async with gate_on(computing) as gate:
+        gate.launch(src, 99)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dst.copy_from, src)
+            await anyio.wait_all_tasks_blocked()
+            gate.open()
+    assert await read(dst) == 99
+    await src.free()
+    await dst.free()
+
+
+async def test_wait_for_orders_a_launch_after_another_kind_of_queue(computing: str) -> None:
+    other = "FAKE" if computing != "FAKE" else "CPU"
+    prog = await inc_program(computing)
+    out = await int_buffer(computing)
+    flagged = await int_buffer(other)
+    async with gate_on(other) as gate:
+        first = gate.launch(flagged, 1)
+        sig = prog(out, wait_for=[first])
+        await anyio.wait_all_tasks_blocked()
+        assert not sig.done()
+        gate.open()
+        await sig
+    assert await read(out) == 1
+    await out.free()
+    await flagged.free()
+
+
+async def test_a_failed_command_is_sticky_until_reset(every: str) -> None:
+    dev = Device[every]
+    prog = await inc_program(every)
+    out = await int_buffer(every)
+    done = prog(out)
+    await done
+    failed = fail_command(dev)
+    with pytest.raises(DeviceError) as info:
+        await failed
+    assert isinstance(info.value.cause, ValueError)
+    later = prog(out)
+    with pytest.raises(DeviceError):
+        await later
+    with pytest.raises(DeviceError):
+        await dev.synchronize()
+    assert done.error() is None  # what completed before the failure stays successful
+    await dev.reset()
+    await prog(out)
+    if every != "NULL":
+        assert await read(out) == 2
+    await out.free()
+
+
+async def test_commands_queued_behind_a_failing_one_fail_with_its_error(every: str) -> None:
+    dev = Device[every]
+    prog = await inc_program(every)
+    out = await int_buffer(every)
+    failed = fail_command(dev)
+    behind = [prog(out) for _ in range(3)]  # queued before the failure happened
+    with pytest.raises(DeviceError) as info:
+        await failed
+    for sig in behind:
+        with pytest.raises(DeviceError) as later:
+            await sig
+        assert later.value is info.value
+    await dev.reset()
+    await out.free()
+
+
+async def test_a_launch_depending_on_a_failed_signal_fails_without_running(computing: str) -> None:
+    other = Device["CPU:1"]
+    failed = fail_command(other)
+    with pytest.raises(DeviceError):
+        await failed
+    prog = await inc_program(computing)
+    out = await int_buffer(computing)
+    sig = prog(out, wait_for=[failed])
+    with pytest.raises(DeviceError, match="depends on failed"):
+        await sig
+    assert await read(out) == 0
+    await other.reset()
+    await out.free()
+
+
+async def test_a_timeout_names_the_device_and_the_timeline_state(computing: str) -> None:
+    out = await int_buffer(computing)
+    async with gate_on(computing) as gate:
+        sig = gate.launch(out)
+        with pytest.raises(TimeoutError, match=rf"{computing}: timeline compute not set to {sig.value}, but"):
+            await sig.wait(timeout=0.02)
+        gate.open()
+        await sig
+    await out.free()
+
+
+async def test_await_is_a_checkpoint_even_when_done(every: str) -> None:
+    prog = await inc_program(every)
+    out = await int_buffer(every)
+    sig = prog(out)
+    await sig
+    await assert_cancelled_at_entry(sig.wait)
+    await assert_cancelled_at_entry(Device[every].synchronize)
+    await out.free()
+
+
+async def test_a_thousand_concurrent_awaits_cost_no_thread_each(computing: str) -> None:
+    out = await int_buffer(computing)
+    results: list[float] = []
+    async with gate_on(computing) as gate:
+        sig = gate.launch(out)
+
+        async def wait() -> None:
+            results.append(await sig)
+
+        before = threading.active_count()
+        async with anyio.create_task_group() as tg:
+            for _ in range(1000):
+                tg.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()
+            assert threading.active_count() <= before + 1
+            assert sig.timeline.pending_waiters() == 1000
+            gate.open()
+    assert len(results) == 1000
+    await out.free()
+
+
+async def test_captured_launches_replay_as_one_command(computing: str) -> None:
+    dev = Device[computing]
+    prog = await inc_program(computing)
+    out = await int_buffer(computing)
+    async with dev.capture(out=out) as graph:
+        for _ in range(5):
+            prog(out)
+    await graph.replay()
+    await graph.replay()
+    assert await read(out) == 10
+    await out.free()
+
+
+async def test_open_device_closes_and_a_closed_device_refuses_work(computing: str) -> None:
+    name = f"{computing}:3"
+    async with rt.open_device(name) as dev:
+        prog = await inc_program(name)
+        out = await int_buffer(name)
+        prog(out)
+    assert dev.closed
+    with pytest.raises(DeviceError, match="closed"):
+        prog(out)
+
+
+async def test_a_driver_run_queue_holds_back_a_command_until_its_host_run_dependency_completes() -> None:
+    fake = Device["FAKE"]
+    assert isinstance(fake, FAKEDevice)
+    prog = await inc_program("FAKE")
+    out = await int_buffer("FAKE")
+    flagged = await int_buffer("CPU")
+    async with gate_on("CPU") as gate:
+        first = gate.launch(flagged, 1)
+        enqueued = fake.driver.enqueued
+        sig = prog(out, wait_for=[first])
+        then = prog(out)  # no dependency of its own, but behind the held-back one
+        assert fake.driver.enqueued == enqueued, "handed to the driver before its dependency completed"
+        gate.open()
+        await then
+    assert sig.done() and await read(out) == 2
+    await out.free()
+    await flagged.free()
+
+
+EXIT_SCRIPT = """
+import sys
+import anyio
+import tests.conftest  # registers TOY and FAKE
+from tests.conformance.test_contract import inc_program, int_buffer
+
+async def main(device):
+    prog = await inc_program(device)
+    out = await int_buffer(device)
+    sigs = [prog(out) for _ in range(2000)]
+    print("queued", len(sigs), flush=True)
+
+anyio.run(main, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("device", EVERY)
+def test_exit_with_work_queued_is_quiet_and_successful(device: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, device],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("queued 2000"), result.stdout
+    assert result.stderr == ""
