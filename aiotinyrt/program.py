@@ -141,43 +141,19 @@ class Program:
         all of them), which orders it against other work on the same memory. Arguments are
         checked before anything is enqueued (``TypeError``/``ValueError``).
         """
-        fast = self._fast
         plain = (  # what a repeat launch may be: buffers, and at most vals
-            fast is not None
+            self._c_launch is not None
             and global_size is _UNIT_SIZE
             and local_size is None
             and not wait_for
             and writes is None
             and capturing.get() is None
         )
-        if plain and vals is _NO_VALS and self._c_launch is None:
-            # The common launch, again, without the extension module (with it, the C __call__
-            # did this before calling here): same buffers as an earlier native launch, each
-            # still holding the memory it had then, each last touched by this queue only.
-            assert fast is not None
-            queue, timeline = fast[0], fast[1]
-            try:
-                entry = self._by_bufs.get(bufs)
-            except TypeError:  # an unhashable argument: the full path says what is wrong
-                entry = None
-            if entry is not None:
-                for b, handle in zip(bufs, entry[3], strict=True):  # the key is bufs: same length
-                    if b._handle is not handle:
-                        break
-                    accesses = b._accesses
-                    if accesses and (len(accesses) > 1 or accesses[0][2].timeline is not timeline):
-                        break
-                else:
-                    sig = queue.submit_native(entry[0], entry[1], entry[2], entry)
-                    for b in bufs:
-                        b._accesses = hazards.whole_write(b.nbytes, sig)
-                    return sig
         sig = self._call(bufs, global_size, local_size, vals, wait_for, writes)
-        if plain:  # remember it for the repeat launch
+        if plain:  # remember it for the repeat launch (the C __call__ makes it)
             if vals is _NO_VALS:
                 self._remember(bufs, (), bufs, sig)
-            elif self._c_launch is not None and type(vals) is tuple and all(type(v) is int for v in vals):
-                # (only the C __call__ repeats launches passing vals, exact ints as here)
+            elif type(vals) is tuple and all(type(v) is int for v in vals):  # (exact ints, as C checks)
                 self._remember(bufs, vals, (_VALS_KEY, bufs, vals), sig)
         return sig
 
@@ -194,8 +170,10 @@ class Program:
             if entry is not None:
                 self._by_bufs[key] = entry
 
-    #: With the extension module, replaced by a C function that runs the repeat launch (as the
-    #: fast path above does) and calls ``_call_py`` for everything else.
+    #: With the extension module, replaced by a C function that runs the repeat launch (same
+    #: buffers as a launch remembered here, each holding the same memory, each last touched by
+    #: this queue only: aiotinyrt/native/pyext.c) and calls ``_call_py`` for everything else.
+    #: Without it every launch takes ``_submit_launch``.
     __call__ = _call_py
 
     def _call(
