@@ -392,7 +392,7 @@ class Graph:
             return None
         if not all(run.queue.native for run in self._runs):
             return None
-        replay = native.replayer(Signal, Buffer)
+        replay = native.replayer()
         if replay is None:
             return None
         runs = []

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from aiotinyrt import hazards, native
 from aiotinyrt.buffer import Buffer
-from aiotinyrt.queue import Queue, capturing
+from aiotinyrt.queue import HostQueue, Queue, capturing
 from aiotinyrt.registry import DeviceLike
 from aiotinyrt.renderer import Kernel
 from aiotinyrt.signal import DeviceError, Signal, Timeline
@@ -35,6 +35,10 @@ class Program:
     int values into a ``(function, args)`` pair the device queue runs. The base class owns the
     argument validation and the ordering of launches against other work on the same memory.
     """
+
+    # ``_fast`` is read by the C ``__call__`` (pyext.c) at its slot's offset; subclasses and
+    # everything else keep a ``__dict__``.
+    __slots__ = ("__dict__", "__weakref__", "_fast")
 
     #: Most int vals one launch may pass.
     MAX_VALS: ClassVar[int] = 64
@@ -79,7 +83,7 @@ class Program:
         self._fast: tuple[Queue, Timeline, dict[tuple[Any, ...], Any], int] | None = (
             (queue, queue.timeline, self._by_bufs, queue._caddr) if queue is not None and native_raw else None
         )
-        self._c_launch = native.launcher(Signal, Buffer) if native_raw else None
+        self._c_launch = native.launcher() if native_raw else None
         if self._c_launch is not None and Program.__dict__["__call__"] is Program._call_py:
             # the repeat launch skips this method's Python frame: see native.install_call
             native.install_call(Program, Program._call_py, capturing, _VALS_KEY)
@@ -354,3 +358,6 @@ def parse_c_signature(src: str, name: str) -> tuple[int, int] | None:
     params = [p.strip() for p in match.group(1).split(",") if p.strip() and p.strip() != "void"]
     bufs = sum(1 for p in params if "*" in p)
     return bufs, len(params) - bufs
+
+
+native.declare_classes(Signal, Buffer, HostQueue, Timeline, Program)

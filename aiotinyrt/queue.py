@@ -112,6 +112,34 @@ class HostQueue:
     puts such a command aside until the ones before it arrive.
     """
 
+    # The extension module (pyext.c, replay.c) reads _stopping, _last_held, _held, _dep_sigs and
+    # _caddr at these slots' offsets; other attributes may live in ``__dict__``.
+    __slots__ = (
+        "__dict__",
+        "_c",
+        "_caddr",
+        "_closed_error",
+        "_commands",
+        "_dep_lock",
+        "_dep_sigs",
+        "_dropping",
+        "_held",
+        "_last_held",
+        "_lib",
+        "_push",
+        "_sleeping",
+        "_start_lock",
+        "_stopping",
+        "_thread",
+        "_values",
+        "_wake",
+        "device",
+        "name",
+        "native",
+        "profile",
+        "timeline",
+    )
+
     def __init__(self, device: QueueOwner, name: str) -> None:
         self.device = device
         self.name = name
@@ -123,6 +151,7 @@ class HostQueue:
         self.native = lib is not None
         self.timeline = Timeline(device.name, name, lib)
         self._c = self.timeline._c
+        self._caddr = 0
         if lib is not None:
             self._push = native.pusher()
             self._caddr = self.timeline._caddr

@@ -150,7 +150,7 @@ def refuse(what: str) -> Callable[..., object]:
 
 
 def c_replay_or_skip() -> None:
-    if native.replayer(Signal, Buffer) is None:
+    if native.replayer() is None:
         pytest.skip(
             "the C launch and replay are part of the extension module, built only with Python's headers"
         )

@@ -263,31 +263,46 @@ def completer() -> Callable[[int, int], None]:
     return _hot("complete", complete_cffi)  # type: ignore[no-any-return]
 
 
-_configured: list[type] = []
+#: The classes whose __slots__ the extension module reads and writes, declared by program.py
+#: (Signal, Buffer, HostQueue, Timeline, Program), and whether configure() has seen them.
+_classes: list[type] = []
+_configured: list[bool] = []
 
 
-def launcher(signal_type: type, buffer_type: type) -> Callable[..., Any] | None:
-    """The C ``launch(bufs, by_bufs, timeline, queue)`` of the extension module (see SOURCE),
-    configured for these classes, or None without the extension module."""
+def declare_classes(*classes: type) -> None:
+    """Name the classes whose state the extension module uses (see ``configure`` in pyext.c);
+    nothing is loaded until :func:`launcher` or :func:`replayer` is asked for."""
+    with _lock:
+        _classes[:] = classes
+        _configured.clear()
+
+
+def _module() -> Any:
+    """The configured extension module, or None without it."""
     built = _load()
-    if built is None or built[1] is None:
+    if built is None or built[1] is None or not _classes:
         return None
     module = built[1]
-    if _configured != [signal_type, buffer_type]:
+    if not _configured:
         with _lock:
-            module.configure(signal_type, buffer_type)
-            _configured[:] = [signal_type, buffer_type]
-    return module.launch  # type: ignore[no-any-return]
+            if not _configured:
+                module.configure(*_classes)
+                _configured.append(True)
+    return module
 
 
-def replayer(signal_type: type, buffer_type: type) -> Callable[[tuple[Any, ...]], Any] | None:
-    """The C ``replay(runs)`` of the extension module (Graph.replay's submission, see SOURCE),
-    configured for these classes, or None without the extension module."""
-    if launcher(signal_type, buffer_type) is None:
-        return None
-    built = _load()
-    assert built is not None
-    return built[1].replay  # type: ignore[no-any-return]
+def launcher() -> Callable[..., Any] | None:
+    """The C ``launch(bufs, by_bufs, timeline, queue)`` of the extension module (pyext.c), or None
+    without the extension module."""
+    module = _module()
+    return None if module is None else module.launch
+
+
+def replayer() -> Callable[[tuple[Any, ...]], Any] | None:
+    """The C ``replay(runs)`` of the extension module (Graph.replay's submission, replay.c), or
+    None without the extension module."""
+    module = _module()
+    return None if module is None else module.replay
 
 
 def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any, vals_key: object) -> bool:

@@ -33,9 +33,10 @@ static PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t n) {
    alternating between slots or vals), held this one through queue._hold(); returns None for
    anything else, having changed nothing, and Python takes over. Slots are read and written through the
    offsets of the classes' member descriptors (configure() finds them). */
-PyTypeObject *sig_type, *buf_type;
+PyTypeObject *sig_type, *buf_type, *queue_type, *timeline_type;
 Py_ssize_t off_timeline, off_value, off_error, off_elapsed, off_handle, off_accesses, off_nbytes;
-PyObject *s_stopping, *s_last_held, *s_caddr, *s_hold, *zero;
+Py_ssize_t off_q_stopping, off_q_last_held, off_q_held, off_q_dep_sigs, off_q_caddr, off_t_caddr, off_p_fast;
+PyObject *s_hold, *zero;
 
 int set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {  /* steals value */
     PyObject *old = SLOT(obj, off);
@@ -59,45 +60,67 @@ static Py_ssize_t slot_offset(PyTypeObject *type, const char *name) {
     return off;
 }
 
+/* configure(Signal, Buffer, HostQueue, Timeline, Program): the classes whose __slots__ C reads
+   and writes, and the members' offsets (found once, from the member descriptors). */
 static PyObject *py_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
-    if (n != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "configure(Signal, Buffer)");
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "configure(Signal, Buffer, HostQueue, Timeline, Program)");
         return NULL;
     }
-    PyTypeObject *st = (PyTypeObject *)args[0], *bt = (PyTypeObject *)args[1];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyType_Check(args[i])) {
+            PyErr_SetString(PyExc_TypeError, "configure() takes five classes");
+            return NULL;
+        }
+    }
+    PyTypeObject *st = (PyTypeObject *)args[0], *bt = (PyTypeObject *)args[1], *qt = (PyTypeObject *)args[2];
+    PyTypeObject *tt = (PyTypeObject *)args[3], *pt = (PyTypeObject *)args[4];
     if ((off_timeline = slot_offset(st, "timeline")) < 0 || (off_value = slot_offset(st, "value")) < 0 ||
         (off_error = slot_offset(st, "_error")) < 0 || (off_elapsed = slot_offset(st, "_elapsed")) < 0 ||
         (off_handle = slot_offset(bt, "_handle")) < 0 || (off_accesses = slot_offset(bt, "_accesses")) < 0 ||
-        (off_nbytes = slot_offset(bt, "nbytes")) < 0)
+        (off_nbytes = slot_offset(bt, "nbytes")) < 0 || (off_q_stopping = slot_offset(qt, "_stopping")) < 0 ||
+        (off_q_last_held = slot_offset(qt, "_last_held")) < 0 || (off_q_held = slot_offset(qt, "_held")) < 0 ||
+        (off_q_dep_sigs = slot_offset(qt, "_dep_sigs")) < 0 || (off_q_caddr = slot_offset(qt, "_caddr")) < 0 ||
+        (off_t_caddr = slot_offset(tt, "_caddr")) < 0 || (off_p_fast = slot_offset(pt, "_fast")) < 0)
         return NULL;
-    Py_INCREF(st); Py_XDECREF(sig_type); sig_type = st;
-    Py_INCREF(bt); Py_XDECREF(buf_type); buf_type = bt;
-    if (!s_stopping) {
-        s_stopping = PyUnicode_InternFromString("_stopping");
-        s_last_held = PyUnicode_InternFromString("_last_held");
-        s_caddr = PyUnicode_InternFromString("_caddr");
+    PyTypeObject **types[] = {&sig_type, &buf_type, &queue_type, &timeline_type};
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(args[i]);
+        Py_XDECREF(*types[i]);
+        *types[i] = (PyTypeObject *)args[i];
+    }
+    if (!s_hold) {
         s_hold = PyUnicode_InternFromString("_hold");
         zero = PyLong_FromLong(0);
-        if (!s_stopping || !s_last_held || !s_caddr || !s_hold || !zero) return NULL;
+        if (!s_hold || !zero) return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* A HostQueue slot (borrowed; NULL with AttributeError set when it was never assigned). */
+PyObject *queue_slot(PyObject *queue, Py_ssize_t off) {
+    if (!PyObject_TypeCheck(queue, queue_type)) {
+        PyErr_Format(PyExc_TypeError, "expected a HostQueue, got %.100s", Py_TYPE(queue)->tp_name);
+        return NULL;
+    }
+    PyObject *value = SLOT(queue, off);
+    if (!value) PyErr_SetString(PyExc_AttributeError, "HostQueue slot not set");
+    return value;
 }
 
 /* Hold `hold` on `queue` until command `value` ran: extend the newest held entry when it is the
    same object, else queue._hold(); when that raises, append it to the hold list from C (the
    command runs anyway) and return -1 with the error set. */
 int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend) {
-    PyObject *held = PyObject_GetAttr(queue, s_last_held);
+    PyObject *held = queue_slot(queue, off_q_last_held);  /* borrowed */
     if (held && extend && PyList_CheckExact(held) && PyList_GET_SIZE(held) == 2 &&
         PyList_GET_ITEM(held, 1) == hold) {
         Py_INCREF(value);
         PyList_SetItem(held, 0, value);
-        Py_DECREF(held);
         return 0;
     }
     PyObject *r = held ? PyObject_CallMethodObjArgs(queue, s_hold, value, hold, NULL) : NULL;
-    Py_XDECREF(held);
     if (r) { Py_DECREF(r); return 0; }
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
@@ -105,11 +128,10 @@ int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend) {
     if (pair) {
         Py_INCREF(value); PyList_SET_ITEM(pair, 0, value);
         Py_INCREF(hold); PyList_SET_ITEM(pair, 1, hold);
-        PyObject *list = PyObject_GetAttrString(queue, "_held");
+        PyObject *list = queue_slot(queue, off_q_held);  /* borrowed */
         PyObject *ok = list ? PyObject_CallMethod(list, "append", "O", pair) : NULL;
         if (!ok) Py_INCREF(hold);  /* (not even that: what the command reads is never released) */
         Py_XDECREF(ok);
-        Py_XDECREF(list);
         Py_DECREF(pair);
     } else {
         Py_INCREF(hold);
@@ -154,16 +176,13 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
             if (Py_TYPE(prev) != sig_type || SLOT(prev, off_timeline) != timeline) Py_RETURN_NONE;
         }
     }
-    PyObject *stopping = PyObject_GetAttr(queue, s_stopping);
+    PyObject *stopping = queue_slot(queue, off_q_stopping);  /* borrowed */
     if (!stopping) return NULL;
-    int stop = stopping != Py_False;
-    Py_DECREF(stopping);
-    if (stop) Py_RETURN_NONE;
+    if (stopping != Py_False) Py_RETURN_NONE;
     if (!q) {
-        PyObject *caddr = PyObject_GetAttr(queue, s_caddr);
+        PyObject *caddr = queue_slot(queue, off_q_caddr);
         if (!caddr) return NULL;
         q = (hq_t *)PyLong_AsVoidPtr(caddr);
-        Py_DECREF(caddr);
     }
     void *fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
     long nargs = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
@@ -254,7 +273,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) 
    is set ((queue, timeline, by_bufs, queue address)) goes straight to launch_impl; anything
    else (and a launch_impl that declines) calls `call_py(self, *args, **kwargs)`, the Python
    implementation, unchanged. This saves the Python frame of __call__ on every repeat launch. */
-static PyObject *call_py, *capturing_var, *vals_key, *s_fast, *s_vals;
+static PyObject *call_py, *capturing_var, *vals_key, *s_vals;
 
 /* `vals=` alone, as a tuple of exact ints (bool and float never match a cached entry whose ints
    compare equal: the Python path refuses them), is part of the repeat launch's key:
@@ -275,7 +294,8 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (PyContextVar_Get(capturing_var, NULL, &capturing) < 0) return NULL;
         int idle = capturing == NULL || capturing == Py_None;
         Py_XDECREF(capturing);
-        PyObject *fast = idle ? PyObject_GetAttr(self, s_fast) : NULL;
+        PyObject *fast = idle ? SLOT(self, off_p_fast) : NULL;  /* (self: a Program, by the descriptor) */
+        Py_XINCREF(fast);
         if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 4 &&
             PyDict_CheckExact(PyTuple_GET_ITEM(fast, 2))) {
             hq_t *q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
@@ -330,7 +350,6 @@ static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n)
         PyErr_SetString(PyExc_TypeError, "install(Program, call_py, capturing, vals_key)");
         return NULL;
     }
-    if (!s_fast && !(s_fast = PyUnicode_InternFromString("_fast"))) return NULL;
     if (!s_vals && !(s_vals = PyUnicode_InternFromString("vals"))) return NULL;
     Py_INCREF(args[1]); Py_XDECREF(call_py); call_py = args[1];
     Py_INCREF(args[2]); Py_XDECREF(capturing_var); capturing_var = args[2];
@@ -347,7 +366,7 @@ static PyMethodDef hq_methods[] = {
     {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(q, kind, fn, n, args[, nd, deps])"},
     {"complete", (PyCFunction)(void (*)(void))py_complete, METH_FASTCALL, "complete(queue, value)"},
     {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, "install(Program, call, var, key)"},
-    {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "configure(Signal, Buffer)"},
+    {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "configure(Signal, Buffer, HostQueue, Timeline, Program)"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(bufs, by_bufs, timeline, q)"},
     {"replay", (PyCFunction)(void (*)(void))py_replay, METH_FASTCALL, "replay(runs)"},
     {NULL, NULL, 0, NULL},

@@ -9,14 +9,18 @@
 
 #define HIDDEN __attribute__((visibility("hidden")))
 
-/* The Signal and Buffer classes and the offsets of the __slots__ members C reads and writes,
-   found by configure() from the classes' member descriptors. */
-HIDDEN extern PyTypeObject *sig_type, *buf_type;
+/* The classes whose state C reads and writes (Signal, Buffer, HostQueue, Timeline, Program) and the
+   offsets of those __slots__ members, found once by configure() from the member descriptors: the
+   layout is the classes' __slots__, nothing is looked up by name per call. */
+HIDDEN extern PyTypeObject *sig_type, *buf_type, *queue_type, *timeline_type;
 HIDDEN extern Py_ssize_t off_timeline, off_value, off_error, off_elapsed, off_handle, off_accesses, off_nbytes;
-HIDDEN extern PyObject *s_stopping, *s_last_held, *s_caddr, *s_hold, *zero;
+HIDDEN extern Py_ssize_t off_q_stopping, off_q_last_held, off_q_held, off_q_dep_sigs, off_q_caddr, off_t_caddr,
+    off_p_fast;
+HIDDEN extern PyObject *s_hold, *zero;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
+HIDDEN PyObject *queue_slot(PyObject *queue, Py_ssize_t off);
 HIDDEN int set_slot(PyObject *obj, Py_ssize_t off, PyObject *value);
 HIDDEN int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend);
 HIDDEN void fill_signal(PyObject *sig, PyObject *timeline, PyObject *value);

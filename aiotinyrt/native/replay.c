@@ -14,13 +14,19 @@
    access cannot be waited for in C (a non-native queue, a signal carrying a Python error, a
    plan too large): the Python path then does all of it. */
 #define REPLAY_MAX_RUNS 32
-static PyObject *s_dep_sigs, *s_record, *s_prune;
+static PyObject *s_record, *s_prune;
+
+/* A HostQueue slot as a new reference (NULL with an error set), as PyObject_GetAttr gives it. */
+static PyObject *queue_attr(PyObject *queue, Py_ssize_t off) {
+    PyObject *value = queue_slot(queue, off);
+    Py_XINCREF(value);
+    return value;
+}
 
 static hq_t *timeline_queue(PyObject *timeline) {  /* NULL (no error set) for a Python queue */
-    PyObject *caddr = PyObject_GetAttr(timeline, s_caddr);
-    if (!caddr) { PyErr_Clear(); return NULL; }
-    hq_t *q = PyLong_Check(caddr) ? (hq_t *)PyLong_AsVoidPtr(caddr) : NULL;
-    Py_DECREF(caddr);
+    if (!PyObject_TypeCheck(timeline, timeline_type)) return NULL;
+    PyObject *caddr = SLOT(timeline, off_t_caddr);
+    hq_t *q = caddr && PyLong_Check(caddr) ? (hq_t *)PyLong_AsVoidPtr(caddr) : NULL;
     if (PyErr_Occurred()) { PyErr_Clear(); return NULL; }
     return q;
 }
@@ -124,11 +130,10 @@ PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         PyErr_SetString(PyExc_TypeError, "replay(runs) after configure()");
         return NULL;
     }
-    if (!s_dep_sigs) {
-        s_dep_sigs = PyUnicode_InternFromString("_dep_sigs");
+    if (!s_record) {
         s_record = PyUnicode_InternFromString("record");
         s_prune = PyUnicode_InternFromString("_prune_deps");
-        if (!s_dep_sigs || !s_record || !s_prune) return NULL;
+        if (!s_record || !s_prune) return NULL;
     }
     PyObject *runs = args[0];
     Py_ssize_t nr = PyTuple_GET_SIZE(runs);
@@ -143,7 +148,7 @@ PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(after, j));
             if (r < 0 || r >= k) { PyErr_Clear(); Py_RETURN_NONE; }
         }
-        PyObject *stopping = PyObject_GetAttr(PyTuple_GET_ITEM(run, 0), s_stopping);
+        PyObject *stopping = queue_attr(PyTuple_GET_ITEM(run, 0), off_q_stopping);
         if (!stopping) return NULL;
         int stop = stopping != Py_False;
         Py_DECREF(stopping);
@@ -175,7 +180,7 @@ PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (PyErr_Occurred()) { failed = 1; break; }
         if (!q) { PyErr_SetString(PyExc_ValueError, "replay: NULL queue"); failed = 1; break; }
         if (k > 0) {  /* (Python ran since the check above: a queue may have been stopped) */
-            PyObject *stopping = PyObject_GetAttr(queue, s_stopping);
+            PyObject *stopping = queue_attr(queue, off_q_stopping);
             int stop = !stopping || stopping != Py_False;
             Py_XDECREF(stopping);
             if (stop) {
@@ -235,7 +240,7 @@ PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n) {
                released (nothing between allocates a tracked object or runs Python) */
             PyObject *pairs = PyBytes_FromStringAndSize(NULL, nd * 16);
             PyObject *on = pairs ? PyTuple_New(nd) : NULL;
-            PyObject *waiting = on ? PyObject_GetAttr(queue, s_dep_sigs) : NULL;
+            PyObject *waiting = on ? queue_attr(queue, off_q_dep_sigs) : NULL;
             PyObject *sig = waiting ? sig_type->tp_alloc(sig_type, 0) : NULL;
             PyObject *keep = sig ? PyTuple_Pack(3, hold, pairs, on) : NULL;
             if (keep && !PyDict_CheckExact(waiting)) {
