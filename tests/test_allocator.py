@@ -10,7 +10,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import AllocatorStatistics, BufferSpec, Device, DeviceError
-from tests.test_signals import assert_cancelled_at_entry, gate_on, int_buffer
+from tests.helpers import assert_cancelled_at_entry, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 

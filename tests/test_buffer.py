@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, BufferSpec, Device, dtypes
-from tests.test_signals import INC, Gate, assert_cancelled_at_entry, gate_on, int_buffer
+from tests.helpers import INC, Gate, assert_cancelled_at_entry, gate_on, int_buffer
 
 COPY_ONE = "void copy1(int* restrict out, const int* restrict src) { out[0] = src[0]; }"
 

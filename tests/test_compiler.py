@@ -13,7 +13,7 @@ from aiotinyrt import CompileError, Compiler, Device
 from aiotinyrt.backends.ops_cpu import ClangCompiler
 from aiotinyrt.compiler import cache_path
 from aiotinyrt.helpers import find_cc
-from tests.test_signals import assert_cancelled_at_entry
+from tests.helpers import assert_cancelled_at_entry
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,7 @@ import pytest
 
 from aiotinyrt import Buffer, Device, dtypes
 from aiotinyrt.backends.ops_cpu import CPUProgram
-from tests.test_signals import INC, int_buffer
+from tests.helpers import INC, int_buffer
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,7 @@ import pytest
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Compiled, Device, DeviceError, dtypes
 from aiotinyrt.registry import _DeviceRegistry
-from tests.test_signals import INC, SPIN, assert_cancelled_at_entry, gate_on, int_buffer
+from tests.helpers import INC, SPIN, assert_cancelled_at_entry, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 

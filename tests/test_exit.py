@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_signals import SPIN
+from tests.helpers import SPIN
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,23 +26,13 @@ import numpy as np
 import pytest
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, CompileError, Device, DeviceError, Signal, dtypes
+from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes
 from aiotinyrt.compiler import DiskCache
-from tests.test_signals import INC, SPIN, gate_on, int_buffer
+from tests.helpers import FAULTY, INC, SPIN, gate_on, inject_failure, int_buffer
 
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULTY = "CPU:5"  # a device of its own: faults injected here must not leak into others
-
-
-def inject_failure(device: rt.Compiled, queue: str = "compute") -> Signal:
-    """Submit a command that raises ``OSError`` on one of the device's queues."""
-
-    def boom() -> None:
-        raise OSError(5, "injected device fault")
-
-    return device.queues[queue].submit(boom, ())
 
 
 def worker_threads(device: str) -> list[threading.Thread]:

@@ -12,22 +12,24 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes, native
+from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes
 from aiotinyrt.graph import Graph
 from aiotinyrt.queue import HostQueue
-from tests.test_faults import FAULTY, inject_failure
-from tests.test_ordering import (
+from tests.helpers import (
     AXPB,
     BASES,
-    DEVICES,
-    Gate,
+    FAULTY,
+    ORDER_DEVICES,
+    CopyGate,
     IntArray,
     N,
     Op,
     assert_stays_pending,
+    c_replay_or_skip,
     contents,
-    gate_on,
-    int_buffer,
+    copy_gate_on,
+    inject_failure,
+    int_array_buffer,
     ops,
     run_on_devices,
 )
@@ -37,11 +39,11 @@ pytestmark = pytest.mark.anyio
 
 def submitted() -> list[int]:
     """How many commands every queue of CPU, CPU:1 and NULL has been given so far."""
-    return [q.timeline.submitted for d in (*DEVICES, "NULL") for q in Device[d].queues.values()]
+    return [q.timeline.submitted for d in (*ORDER_DEVICES, "NULL") for q in Device[d].queues.values()]
 
 
 async def axpb_programs() -> dict[str, Program]:
-    return {dev: await Device[dev].program("axpb", AXPB) for dev in DEVICES}
+    return {dev: await Device[dev].program("axpb", AXPB) for dev in ORDER_DEVICES}
 
 
 # ---- replay equals eager execution ---------------------------------------------------------------
@@ -64,14 +66,14 @@ async def test_replay_equals_eager_execution_of_the_same_launches_and_copies(
     rng = np.random.default_rng(seed)
     initial = {key: rng.integers(0, 0xFFFF, N, dtype=np.int32) for key in BASES}
     progs = await axpb_programs()
-    eager = {key: await int_buffer(key[0], initial[key]) for key in BASES}
-    graphed = {key: await int_buffer(key[0], initial[key]) for key in BASES}
+    eager = {key: await int_array_buffer(key[0], initial[key]) for key in BASES}
+    graphed = {key: await int_array_buffer(key[0], initial[key]) for key in BASES}
     try:
         for _ in range(replays):
             await run_on_devices(program, eager, progs)
         async with Device["CPU"].capture() as graph:
             await run_on_devices(program, graphed, progs, capturing=True)
-        await rt.synchronize(*DEVICES)
+        await rt.synchronize(*ORDER_DEVICES)
         for key in BASES:
             assert await contents(graphed[key]) == initial[key].tolist(), "capture ran something"
         signals = [graph.replay() for _ in range(replays)]  # back to back, none awaited yet
@@ -106,26 +108,26 @@ async def small_chain(
     """:func:`capture_chain` on buffers of 4 ints, ``x`` holding ``x_values`` (a scalar fills
     it): ``(progs, x, mid, far, out, graph)``."""
     progs = await axpb_programs()
-    x = await int_buffer("CPU", x_values, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
+    x = await int_array_buffer("CPU", x_values, size=4)
+    mid = await int_array_buffer("CPU", 0, size=4)
+    far = await int_array_buffer("CPU:1", 0, size=4)
+    out = await int_array_buffer("CPU:1", 0, size=4)
     return progs, x, mid, far, out, await capture_chain(progs, x, mid, far, out)
 
 
 async def test_replay_with_substituted_inputs_and_outputs_equals_eager_execution() -> None:
     progs = await axpb_programs()
     size = 64
-    x = await int_buffer("CPU", np.arange(size))
-    mid = await int_buffer("CPU", 0, size=size)
-    far = await int_buffer("CPU:1", 0, size=size)
-    out = await int_buffer("CPU:1", 0, size=size)
+    x = await int_array_buffer("CPU", np.arange(size))
+    mid = await int_array_buffer("CPU", 0, size=size)
+    far = await int_array_buffer("CPU:1", 0, size=size)
+    out = await int_array_buffer("CPU:1", 0, size=size)
     graph = await capture_chain(progs, x, mid, far, out, spin=2000)
     assert graph.devices == ["CPU", "CPU:1"]
     rng = np.random.default_rng(7)
     inputs = [rng.integers(0, 0xFFFF, size, dtype=np.int32) for _ in range(4)]
-    xs = [await int_buffer("CPU", values) for values in inputs]
-    outs = [await int_buffer("CPU:1", 0, size=size) for _ in inputs]
+    xs = [await int_array_buffer("CPU", values) for values in inputs]
+    outs = [await int_array_buffer("CPU:1", 0, size=size) for _ in inputs]
     # every replay shares mid and far: back to back, each must wait for the last one's reads
     signals = [graph.replay(x=xi, out=oi) for xi, oi in zip(xs, outs, strict=True)]
     original = graph(x=x)  # __call__ is replay; out is the captured buffer
@@ -135,7 +137,7 @@ async def test_replay_with_substituted_inputs_and_outputs_equals_eager_execution
         assert await contents(oi) == chain_expected(values)
     assert await contents(out) == chain_expected(np.arange(size, dtype=np.int32))
     # and eagerly, with the same programs, on the last substitute
-    eager_out = await int_buffer("CPU:1", 0, size=size)
+    eager_out = await int_array_buffer("CPU:1", 0, size=size)
     progs["CPU"](mid, xs[-1], vals=(size, 2, 1, 0), writes=(0,))
     await far.copy_from(mid)
     await progs["CPU:1"](eager_out, far, vals=(size, 3, 0, 0), writes=(0,))
@@ -149,13 +151,6 @@ def refuse(what: str) -> Callable[..., object]:
     return refused
 
 
-def c_replay_or_skip() -> None:
-    if native.replayer() is None:
-        pytest.skip(
-            "the C launch and replay are part of the extension module, built only with Python's headers"
-        )
-
-
 async def test_a_native_replay_is_submitted_by_c_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every run native (kernel, transfer, kernel): C pushes all of them, with their
     dependencies between the devices and on the previous replay's use of mid and far, and no
@@ -163,12 +158,12 @@ async def test_a_native_replay_is_submitted_by_c_alone(monkeypatch: pytest.Monke
     c_replay_or_skip()
     progs = await axpb_programs()
     size = 64
-    mid = await int_buffer("CPU", 0, size=size)
-    far = await int_buffer("CPU:1", 0, size=size)
+    mid = await int_array_buffer("CPU", 0, size=size)
+    far = await int_array_buffer("CPU:1", 0, size=size)
     rng = np.random.default_rng(3)
     inputs = [rng.integers(0, 0xFFFF, size, dtype=np.int32) for _ in range(6)]
-    xs = [await int_buffer("CPU", values) for values in inputs]
-    outs = [await int_buffer("CPU:1", 0, size=size) for _ in inputs]
+    xs = [await int_array_buffer("CPU", values) for values in inputs]
+    outs = [await int_array_buffer("CPU:1", 0, size=size) for _ in inputs]
     graph = await capture_chain(progs, xs[0], mid, far, outs[0], spin=2000)
     for name in ("submit_either", "submit_native", "submit"):
         monkeypatch.setattr(HostQueue, name, refuse(f"HostQueue.{name}"))
@@ -210,30 +205,30 @@ async def test_a_replay_c_cannot_wait_for_runs_in_python(monkeypatch: pytest.Mon
 async def test_replay_substitutes_views_of_a_named_buffer() -> None:
     # A kernel captured on a view of the named input must read the substitute's bytes at replay.
     progs = await axpb_programs()
-    x = await int_buffer("CPU", np.arange(8))
-    out = await int_buffer("CPU", 0, size=4)
+    x = await int_array_buffer("CPU", np.arange(8))
+    out = await int_array_buffer("CPU", 0, size=4)
     async with Device["CPU"].capture(x=x) as graph:
         progs["CPU"](out, x.view(4, dtypes.int32, 16), vals=(4, 1, 0, 0), writes=(0,))
-    other = await int_buffer("CPU", 100, size=8)
+    other = await int_array_buffer("CPU", 100, size=8)
     await graph.replay(x=other)
     assert await contents(out) == [100] * 4, "the replay read the captured buffer, not the substitute"
 
 
 async def test_replay_with_a_substitute_does_not_need_the_captured_buffer_any_more() -> None:
     # As with a tinygrad JIT input, the buffer used at capture may be gone by the time of replay.
-    x = await int_buffer("CPU", 1, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
+    x = await int_array_buffer("CPU", 1, size=4)
+    far = await int_array_buffer("CPU:1", 0, size=4)
     async with Device["CPU"].capture(x=x) as graph:
         await far.copy_from(x)
     await x.free()
-    await graph.replay(x=await int_buffer("CPU", 5, size=4))
+    await graph.replay(x=await int_array_buffer("CPU", 5, size=4))
     assert await contents(far) == [5] * 4
 
 
 # ---- dependencies in graphs spanning two devices -------------------------------------------------
 
 
-async def replay_behind(gate: Gate, graph: Graph, queue: HostQueue, what: str) -> None:
+async def replay_behind(gate: CopyGate, graph: Graph, queue: HostQueue, what: str) -> None:
     """Replay ``graph`` while ``gate`` holds a kernel it depends on: the newest command of
     ``queue`` (the graph's) stays pending until the gate opens, then the replay completes."""
     replayed = graph.replay()
@@ -249,13 +244,13 @@ async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices(siz
     """Kernel on CPU -> transfer to CPU:1 -> kernel on CPU:1. A small hand-over is folded into
     the CPU kernel's run (run by CPU's worker right after it), a large one stays on CPU:1's copy
     queue (where it overlaps CPU's next kernel); either way CPU:1's kernel waits for CPU's."""
-    x = await int_buffer("CPU", 20, size=size)
-    mid = await int_buffer("CPU", 0, size=size)
-    far = await int_buffer("CPU:1", 0, size=size)
-    out = await int_buffer("CPU:1", 0, size=size)
+    x = await int_array_buffer("CPU", 20, size=size)
+    mid = await int_array_buffer("CPU", 0, size=size)
+    far = await int_array_buffer("CPU:1", 0, size=size)
+    out = await int_array_buffer("CPU:1", 0, size=size)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
     small = far.nbytes <= Device["CPU:1"].allocator.inline_copy_bytes
-    async with gate_on("CPU") as gate:
+    async with copy_gate_on("CPU") as gate:
         async with Device["CPU"].capture() as graph:
             gate.launch(mid, x, add=1)  # mid = 21, held at replay until the gate opens
             await far.copy_from(mid)  # must wait for the CPU kernel
@@ -277,10 +272,10 @@ async def test_a_replay_whose_folded_transfer_writes_a_closed_device_raises_befo
     device is closed, a replay raises its DeviceError and enqueues nothing (its memory is not
     written from the other device's worker)."""
     progs = await axpb_programs()
-    x = await int_buffer("CPU", 1, size=4)
-    mid = await int_buffer("CPU", 0, size=4)
+    x = await int_array_buffer("CPU", 1, size=4)
+    mid = await int_array_buffer("CPU", 0, size=4)
     async with rt.open_device("CPU:3") as dest:
-        far = await int_buffer(dest.name, 0, size=4)
+        far = await int_array_buffer(dest.name, 0, size=4)
         async with Device["CPU"].capture() as graph:
             progs["CPU"](mid, x, vals=(4, 2, 1, 0), writes=(0,))
             await far.copy_from(mid)  # small: folded into the CPU run
@@ -296,17 +291,17 @@ async def test_a_replay_whose_folded_transfer_writes_a_closed_device_raises_befo
 async def test_a_transfer_draining_a_kernel_joins_its_run_and_waits_for_it() -> None:
     """A transfer reading what the previous kernel on its device wrote is folded into that
     kernel's compute run (one native command), which waits for the kernel's input."""
-    src = await int_buffer("CPU:1", 5, size=4)
-    mid = await int_buffer("CPU:1", 0, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
+    src = await int_array_buffer("CPU:1", 5, size=4)
+    mid = await int_array_buffer("CPU:1", 0, size=4)
+    out = await int_array_buffer("CPU:1", 0, size=4)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
     async with Device["CPU:1"].capture(out=out) as graph:
         axpb(mid, src, vals=(4, 2, 1, 0), writes=(0,))
         await out.copy_from(mid)  # drains the kernel: same run
     assert [run.queue for run in graph._runs] == [Device["CPU:1"].queues["compute"]]
     assert graph._runs[0].native is not None
-    other = await int_buffer("CPU:1", 0, size=4)
-    async with gate_on("CPU:1") as gate:
+    other = await int_array_buffer("CPU:1", 0, size=4)
+    async with copy_gate_on("CPU:1") as gate:
         gate.launch(src, src)  # an eager write of src, held
         replayed = graph.replay(out=other)
         gate.launched.append(replayed)
@@ -319,10 +314,10 @@ async def test_a_transfer_draining_a_kernel_joins_its_run_and_waits_for_it() -> 
 async def test_a_captured_transfer_next_to_unrelated_work_stays_on_the_copy_queue() -> None:
     """Only a transfer draining the previous kernel on its device is folded into the compute
     run; one beside unrelated work keeps overlapping it."""
-    a = await int_buffer("CPU:1", 1, size=4)
-    b = await int_buffer("CPU:1", 0, size=4)
-    src = await int_buffer("CPU", 7, size=4)
-    dst = await int_buffer("CPU:1", 0, size=4)
+    a = await int_array_buffer("CPU:1", 1, size=4)
+    b = await int_array_buffer("CPU:1", 0, size=4)
+    src = await int_array_buffer("CPU", 7, size=4)
+    dst = await int_array_buffer("CPU:1", 0, size=4)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
     async with Device["CPU:1"].capture() as graph:
         axpb(b, a, vals=(4, 2, 0, 0), writes=(0,))
@@ -344,17 +339,17 @@ async def test_a_chain_replay_needs_no_join_and_fails_when_its_first_run_fails()
     async with rt.open_device(FAULTY) as dev:
         near = await dev.program("axpb", AXPB)
         far_prog = await Device["CPU:1"].program("axpb", AXPB)
-        x = await int_buffer(FAULTY, 1, size=4)
-        mid = await int_buffer(FAULTY, 0, size=4)
-        far = await int_buffer("CPU:1", 0, size=4)
-        out = await int_buffer("CPU:1", 0, size=4)
+        x = await int_array_buffer(FAULTY, 1, size=4)
+        mid = await int_array_buffer(FAULTY, 0, size=4)
+        far = await int_array_buffer("CPU:1", 0, size=4)
+        out = await int_array_buffer("CPU:1", 0, size=4)
         async with dev.capture() as graph:
             near(mid, x, vals=(4, 2, 1, 0), writes=(0,))
             await far.copy_from(mid)
             far_prog(out, far, vals=(4, 3, 0, 0), writes=(0,))
         compute = Device["CPU:1"].queues["compute"].timeline
-        held = await int_buffer(FAULTY, 0, size=4)
-        async with gate_on(FAULTY) as gate:
+        held = await int_array_buffer(FAULTY, 0, size=4)
+        async with copy_gate_on(FAULTY) as gate:
             gate.launch(held, held)  # keeps stage 1 pending while the replay is submitted
             before = compute.submitted
             replayed = graph.replay()
@@ -362,7 +357,7 @@ async def test_a_chain_replay_needs_no_join_and_fails_when_its_first_run_fails()
             gate.open()
             await replayed
         assert await contents(out) == chain_expected(np.ones(4, np.int32))
-        async with gate_on(FAULTY) as gate:
+        async with copy_gate_on(FAULTY) as gate:
             gate.launch(held, held)  # holds the compute queue: the replay is queued behind a fault
             fault = inject_failure(dev)
             replayed = graph.replay()
@@ -386,11 +381,11 @@ async def test_a_chain_replay_needs_no_join_and_fails_when_its_first_run_fails()
 async def test_a_replay_signal_covers_runs_the_last_one_does_not_wait_for() -> None:
     """Two independent runs (CPU held by a gate, CPU:1 free): the replay's signal must not be
     done before the held one is (it joins them)."""
-    held = await int_buffer("CPU", 0, size=4)
-    src = await int_buffer("CPU:1", 1, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
+    held = await int_array_buffer("CPU", 0, size=4)
+    src = await int_array_buffer("CPU:1", 1, size=4)
+    out = await int_array_buffer("CPU:1", 0, size=4)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
-    async with gate_on("CPU") as gate:
+    async with copy_gate_on("CPU") as gate:
         async with Device["CPU"].capture() as graph:
             gate.launch(held, held)
             axpb(out, src, vals=(4, 2, 0, 0), writes=(0,))
@@ -408,11 +403,11 @@ async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
     spec = BufferSpec(external_ptr=shared.ctypes.data)
     near = await Buffer("CPU", 4, dtypes.int32, spec).allocate()
     far_alias = await Buffer("CPU:1", 4, dtypes.int32, spec).allocate()
-    src = await int_buffer("CPU", 20, size=4)
-    out = await int_buffer("CPU:1", 0, size=4)
+    src = await int_array_buffer("CPU", 20, size=4)
+    out = await int_array_buffer("CPU:1", 0, size=4)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
     try:
-        async with gate_on("CPU") as gate:
+        async with copy_gate_on("CPU") as gate:
             async with Device["CPU"].capture() as graph:
                 held = gate.launch(near, src, add=1)  # shared = 21
                 axpb(out, far_alias, vals=(4, 2, 0, 0), writes=(0,), wait_for=[held])
@@ -426,9 +421,9 @@ async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
 
 async def test_a_replay_is_ordered_after_eager_work_on_its_buffers_and_before_later_work() -> None:
     progs, x, _mid, _far, out, graph = await small_chain(0)
-    src = await int_buffer("CPU", 10, size=4)
-    late = await int_buffer("CPU:1", 0, size=4)
-    async with gate_on("CPU") as gate:
+    src = await int_array_buffer("CPU", 10, size=4)
+    late = await int_array_buffer("CPU:1", 0, size=4)
+    async with copy_gate_on("CPU") as gate:
         gate.launch(x, src)  # eager: x = 10, held
         replayed = graph.replay()  # reads x: after the gate
         gate.launched.append(replayed)
@@ -445,15 +440,15 @@ async def test_a_replay_is_ordered_after_eager_work_on_its_buffers_and_before_la
 
 async def test_captured_launches_do_not_run_and_their_signals_raise_when_awaited() -> None:
     progs = await axpb_programs()
-    buf = await int_buffer("CPU", 3, size=4)
-    far = await int_buffer("CPU:1", 0, size=4)
+    buf = await int_array_buffer("CPU", 3, size=4)
+    far = await int_array_buffer("CPU:1", 0, size=4)
     async with Device["CPU"].capture() as graph:
         sig = progs["CPU"](buf, buf, vals=(4, 2, 0, 0))
         await far.copy_from(buf)
     assert sig.done()
     with pytest.raises(RuntimeError, match="captured"):
         await sig
-    await rt.synchronize(*DEVICES)
+    await rt.synchronize(*ORDER_DEVICES)
     assert await contents(buf) == [3] * 4
     assert await contents(far) == [0] * 4
     assert len(graph) == 2
@@ -464,7 +459,7 @@ async def test_captured_launches_do_not_run_and_their_signals_raise_when_awaited
 
 async def test_wait_for_on_a_signal_from_outside_the_capture_raises() -> None:
     progs = await axpb_programs()
-    buf = await int_buffer("CPU", 3, size=4)
+    buf = await int_array_buffer("CPU", 3, size=4)
     outside = progs["CPU"](buf, buf, vals=(4, 1, 0, 0))
     async with Device["CPU"].capture():
         with pytest.raises(ValueError, match="wait_for"):
@@ -473,7 +468,7 @@ async def test_wait_for_on_a_signal_from_outside_the_capture_raises() -> None:
 
 async def test_replay_of_an_empty_graph_or_from_inside_the_capture_raises() -> None:
     progs = await axpb_programs()
-    buf = await int_buffer("CPU", 3, size=4)
+    buf = await int_array_buffer("CPU", 3, size=4)
     async with Device["CPU"].capture() as empty:
         pass
     with pytest.raises(RuntimeError, match="empty"):
@@ -488,10 +483,10 @@ async def test_replay_of_an_empty_graph_or_from_inside_the_capture_raises() -> N
 
 
 async def _bad_substitutes() -> list[tuple[str, Callable[[], object], type[Exception], str]]:
-    wrong_size = await int_buffer("CPU", 0, size=8)
-    foreign = await int_buffer("CPU:1", 0, size=4)
+    wrong_size = await int_array_buffer("CPU", 0, size=8)
+    foreign = await int_array_buffer("CPU:1", 0, size=4)
     null = await Buffer("NULL", 4, dtypes.int32).allocate()
-    freed = await int_buffer("CPU", 0, size=4)
+    freed = await int_array_buffer("CPU", 0, size=4)
     await freed.free()
     unallocated = Buffer("CPU", 4, dtypes.int32)
     return [
@@ -506,7 +501,7 @@ async def _bad_substitutes() -> list[tuple[str, Callable[[], object], type[Excep
 
 async def test_replay_with_a_bad_substitute_raises_before_enqueueing_anything() -> None:
     _progs, x, mid, _far, _out, graph = await small_chain(1)
-    good_out = await int_buffer("CPU:1", 0, size=4)
+    good_out = await int_array_buffer("CPU:1", 0, size=4)
     bad = await _bad_substitutes()
     before = submitted()
     for what, make, error, match in bad:
@@ -525,8 +520,8 @@ async def test_replay_plans_are_reused_per_substitution_set_and_rebuilt_after_a_
     """Alternating substitution sets replay from remembered plans (identical results); freeing a
     remembered substitute raises the use-after-free error instead of replaying its stale plan."""
     _progs, _x, _mid, _far, _out, graph = await small_chain(1)
-    xs = [await int_buffer("CPU", np.full(4, i, np.int32), size=4) for i in range(3)]
-    outs = [await int_buffer("CPU:1", 0, size=4) for _ in range(3)]
+    xs = [await int_array_buffer("CPU", np.full(4, i, np.int32), size=4) for i in range(3)]
+    outs = [await int_array_buffer("CPU:1", 0, size=4) for _ in range(3)]
     for round_ in range(3):
         for i in range(3):
             await xs[i].copyin(np.full(4, i + round_, np.int32))
@@ -538,7 +533,7 @@ async def test_replay_plans_are_reused_per_substitution_set_and_rebuilt_after_a_
     with pytest.raises(RuntimeError, match="use after free"):
         graph.replay(x=xs[1], out=outs[1])
     assert submitted() == before
-    replacement = await int_buffer("CPU:1", 0, size=4)
+    replacement = await int_array_buffer("CPU:1", 0, size=4)
     await graph.replay(x=xs[1], out=replacement)
     assert await contents(replacement) == chain_expected(np.full(4, 3, np.int32))
 

@@ -24,16 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
 
-from aiotinyrt import Buffer, BufferSpec, Device, Program, Signal, dtypes
+from aiotinyrt import Device, Signal
+from tests.helpers import CHAIN_DEVICES, STEP_CPU, STEP_CPU1, chain
 
 pytestmark = pytest.mark.anyio
-
-STEP_CPU = "void step3(unsigned int* t, int j) { t[0] = t[0] * 3u + (unsigned int)j; }"
-STEP_CPU1 = "void step5(unsigned int* t, int j) { t[0] = t[0] * 5u + (unsigned int)j; }"
-DEVICES = ("CPU", "CPU:1")
 
 
 @dataclass
@@ -76,50 +72,11 @@ def live_signals() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, Signal))
 
 
-def model(launches: int) -> int:
-    t = 0
-    for j in range(launches):
-        t = (t * (3 if j % 2 == 0 else 5) + j) & 0xFFFFFFFF
-    return t
-
-
-async def chain(
-    progs: tuple[Program, Program],
-    launches: int,
-    wait_every: int,
-    cancel_fraction: float,
-    rng: random.Random,
-    counts: dict[str, int],
-) -> None:
-    """One task: a chain of ``launches`` launches alternating between the two devices."""
-    word = np.zeros(1, np.uint32)
-    addr = word.ctypes.data
-    bufs = [await Buffer(d, 1, dtypes.uint32, BufferSpec(external_ptr=addr)).allocate() for d in DEVICES]
-    prev: list[Signal] = []
-    for j in range(launches):
-        sig = progs[j % 2](bufs[j % 2], vals=(j,), wait_for=prev)
-        prev = [sig]
-        if j % wait_every == wait_every - 1:
-            if rng.random() < cancel_fraction:
-                with anyio.move_on_after(rng.uniform(0, 2e-4)) as scope:
-                    await sig
-                counts["armed"] += 1
-                counts["cancelled"] += scope.cancelled_caught
-            else:
-                await sig
-            counts["waits"] += 1
-    await prev[-1]
-    counts["waits"] += 1
-    for buf in bufs:
-        await buf.free()
-    assert int(word[0]) == model(launches), "a cross-device chain ran out of order"
-
-
 async def run_load(
     tasks: int = 200, launches: int = 500, wait_every: int = 5, cancel_fraction: float = 0.1, seed: int = 0
 ) -> LoadReport:
     """Run the load once on the current event loop and check everything it promises."""
-    devices = [Device[d] for d in DEVICES]
+    devices = [Device[d] for d in CHAIN_DEVICES]
     for dev in devices:
         await dev.synchronize()
     progs = (await devices[0].program("step3", STEP_CPU), await devices[1].program("step5", STEP_CPU1))

@@ -23,10 +23,18 @@ import pytest
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, Signal, native
 from aiotinyrt.queue import HostQueue
-from tests.test_faults import inject_failure
-from tests.test_graph import c_replay_or_skip
-from tests.test_ordering import assert_stays_pending
-from tests.test_signals import GATE, INC, SPIN, STAMP, assert_cancelled_at_entry, gate_on, int_buffer
+from tests.helpers import (
+    GATE,
+    INC,
+    SPIN,
+    STAMP,
+    assert_cancelled_at_entry,
+    assert_stays_pending,
+    c_replay_or_skip,
+    gate_on,
+    inject_failure,
+    int_buffer,
+)
 
 pytestmark = pytest.mark.anyio
 

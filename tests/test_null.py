@@ -7,7 +7,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, dtypes
-from tests.test_signals import int_buffer
+from tests.helpers import int_buffer
 
 pytestmark = pytest.mark.anyio
 

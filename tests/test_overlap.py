@@ -17,16 +17,16 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Device, Signal, dtypes
-from tests.test_ordering import AXPB, assert_stays_pending, contents, done_while, gate_on, int_buffer
+from tests.helpers import AXPB, assert_stays_pending, contents, copy_gate_on, done_while, int_array_buffer
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_copyin_completes_while_a_kernel_holds_the_compute_queue() -> None:
-    src = await int_buffer("CPU", 1, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    other = await int_buffer("CPU", 0, size=1024)
-    async with gate_on("CPU") as gate:
+    src = await int_array_buffer("CPU", 1, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    other = await int_array_buffer("CPU", 0, size=1024)
+    async with copy_gate_on("CPU") as gate:
         held = gate.launch(out, src)
         data = np.arange(1024, dtype=np.int32)
         await done_while(other.copyin(data), held, "copyin on the copy queue")
@@ -38,11 +38,11 @@ async def test_copyin_completes_while_a_kernel_holds_the_compute_queue() -> None
 
 
 async def test_copyout_completes_while_a_kernel_holds_the_compute_queue() -> None:
-    src = await int_buffer("CPU", 1, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    other = await int_buffer("CPU", np.arange(256))
+    src = await int_array_buffer("CPU", 1, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    other = await int_array_buffer("CPU", np.arange(256))
     dest = np.zeros(256, np.int32)
-    async with gate_on("CPU") as gate:
+    async with copy_gate_on("CPU") as gate:
         held = gate.launch(out, src)
         await done_while(other.copyout(dest.data), held, "copyout on the copy queue")
         assert dest.tolist() == list(range(256))
@@ -50,12 +50,12 @@ async def test_copyout_completes_while_a_kernel_holds_the_compute_queue() -> Non
 
 
 async def test_transfers_in_and_out_complete_while_a_kernel_holds_the_compute_queue() -> None:
-    src = await int_buffer("CPU", 1, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    near = await int_buffer("CPU", np.arange(64))
-    far = await int_buffer("CPU:1", 0, size=64)
-    back = await int_buffer("CPU", 0, size=64)
-    async with gate_on("CPU") as gate:
+    src = await int_array_buffer("CPU", 1, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    near = await int_array_buffer("CPU", np.arange(64))
+    far = await int_array_buffer("CPU:1", 0, size=64)
+    back = await int_array_buffer("CPU", 0, size=64)
+    async with copy_gate_on("CPU") as gate:
         held = gate.launch(out, src)
         # CPU:1's copy queue reading CPU memory, then CPU's copy queue reading CPU:1 memory
         await done_while(far.copy_from(near), held, "transfer CPU -> CPU:1")
@@ -65,11 +65,11 @@ async def test_transfers_in_and_out_complete_while_a_kernel_holds_the_compute_qu
 
 
 async def test_two_devices_run_kernels_at_the_same_time() -> None:
-    src = await int_buffer("CPU", 1, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    far = await int_buffer("CPU:1", 5, size=4)
+    src = await int_array_buffer("CPU", 1, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    far = await int_array_buffer("CPU:1", 5, size=4)
     axpb = await Device["CPU:1"].program("axpb", AXPB)
-    async with gate_on("CPU") as gate:
+    async with copy_gate_on("CPU") as gate:
         held = gate.launch(out, src)
         await done_while(axpb(far, far, vals=(4, 2, 0, 0)), held, "a kernel on CPU:1")
         gate.open()
@@ -79,10 +79,10 @@ async def test_two_devices_run_kernels_at_the_same_time() -> None:
 async def test_a_copy_that_must_follow_the_held_kernel_waits_and_an_independent_one_does_not() -> None:
     # The copy queue is in order: a copy that must wait for the held kernel holds the copies
     # behind it too; a copy submitted before it is unaffected.
-    src = await int_buffer("CPU", 1, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    free_buf = await int_buffer("CPU", 0, size=4)
-    async with gate_on("CPU") as gate:
+    src = await int_array_buffer("CPU", 1, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    free_buf = await int_array_buffer("CPU", 0, size=4)
+    async with copy_gate_on("CPU") as gate:
         held = gate.launch(out, src)
         await done_while(free_buf.copyin(np.full(4, 7, np.int32)), held, "an independent copy")
         async with anyio.create_task_group() as tg:
@@ -96,10 +96,10 @@ async def test_a_copy_that_must_follow_the_held_kernel_waits_and_an_independent_
 
 
 async def test_synchronize_gathers_over_the_compute_and_copy_queues() -> None:
-    src = await int_buffer("CPU", 1, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    other = await int_buffer("CPU", 0, size=4)
-    async with gate_on("CPU") as gate:
+    src = await int_array_buffer("CPU", 1, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    other = await int_array_buffer("CPU", 0, size=4)
+    async with copy_gate_on("CPU") as gate:
         gate.launch(out, src)
         await other.copyin(np.full(4, 3, np.int32))  # the copy queue is idle again
         copy_queue = Device["CPU"].queues["copy"].timeline
@@ -116,11 +116,11 @@ async def test_synchronize_gathers_over_the_compute_and_copy_queues() -> None:
 async def test_a_large_copy_and_a_kernel_are_both_in_flight_at_once() -> None:
     # Submit a kernel and a large disjoint copy back to back; the copy finishes first while the
     # kernel is held, then the kernel finishes: the two queues were busy at the same time.
-    src = await int_buffer("CPU", 2, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    big = await int_buffer("CPU", 0, size=1 << 20)
+    src = await int_array_buffer("CPU", 2, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    big = await int_array_buffer("CPU", 0, size=1 << 20)
     payload = np.random.default_rng(0).integers(0, 1 << 30, 1 << 20, dtype=np.int32)
-    async with gate_on("CPU") as gate:
+    async with copy_gate_on("CPU") as gate:
         held = gate.launch(out, src)
         await done_while(big.copyin(payload), held, "a 4 MiB copyin")
         gate.open()
@@ -135,13 +135,13 @@ async def test_workers_keep_their_own_cpu_mask_after_long_overlapping_commands()
     """Workers narrow their CPU mask to be placed away from a busy worker (native queue, long
     commands) and must restore it: after kernels and copies overlapping for a while, every
     worker thread's mask is the process's again."""
-    src = await int_buffer("CPU", 2, size=4)
-    out = await int_buffer("CPU", 0, size=4)
-    big = await int_buffer("CPU", 0, size=1 << 20)
+    src = await int_array_buffer("CPU", 2, size=4)
+    out = await int_array_buffer("CPU", 0, size=4)
+    big = await int_array_buffer("CPU", 0, size=1 << 20)
     payload = np.ones(1 << 20, np.int32)
     for _ in range(3):
         await big.copyin(payload)  # a long command on the copy queue
-        async with gate_on("CPU") as gate:
+        async with copy_gate_on("CPU") as gate:
             held = gate.launch(out, src)  # a busy compute worker
             await done_while(big.copyin(payload), held, "a 4 MiB copyin")
             gate.open()

@@ -7,120 +7,19 @@ a time-based spin kernel, a clock-stamp kernel, and the checkpoint-rule assertio
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, Device, DeviceError, Program, Signal, dtypes
+from aiotinyrt import Buffer, Device, DeviceError, dtypes
+from tests.helpers import INC, SPIN, STAMP, assert_cancelled_at_entry, fail_command, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 
 # ---- shared kernels and helpers ------------------------------------------------------------------
-
-#: Spins until flag[0] != 0 (gives up after 30 s so a failing test cannot hang the suite), then
-#: writes ``value`` to out[0]. Launch it with ``writes=(1,)``: it only reads the flag.
-GATE = """
-#include <time.h>
-void gate(volatile int* restrict flag, int* restrict out, int value) {
-  struct timespec t0, t;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  while (!flag[0]) {
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    if (t.tv_sec - t0.tv_sec > 30) break;
-  }
-  out[0] = value;
-}
-"""
-
-#: Busy-waits ``ms`` milliseconds of wall time, then increments out[0].
-SPIN = """
-#include <time.h>
-void spin(int* restrict out, int ms) {
-  struct timespec t0, t;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  do {
-    clock_gettime(CLOCK_MONOTONIC, &t);
-  } while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < ms * 1000000LL);
-  out[0] += 1;
-}
-"""
-
-#: Writes CLOCK_MONOTONIC (the clock of Python's time.monotonic()) in seconds to out[0].
-STAMP = """
-#include <time.h>
-void stamp(double* restrict out) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  out[0] = (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-"""
-
-#: Increments out[0]: launches on one queue are observable in order by the final count.
-INC = "void inc(int* restrict out) { out[0] += 1; }"
-
-
-class Gate:
-    """A flag in CPU memory the test flips through a zero-copy host view, and the gate kernel."""
-
-    def __init__(self, prog: Program, flag: Buffer, view: memoryview) -> None:
-        self.prog = prog
-        self.flag = flag
-        self.view = view
-
-    def launch(self, out: Buffer, value: int = 42, **kwargs: Any) -> Signal:
-        """Enqueue a launch that holds its queue until :meth:`open`, then writes ``value`` to out[0]."""
-        return self.prog(self.flag, out, vals=(value,), writes=(1,), **kwargs)
-
-    def open(self) -> None:
-        self.view.cast("i")[0] = 1
-
-
-@contextlib.asynccontextmanager
-async def gate_on(device: str) -> AsyncIterator[Gate]:
-    """A :class:`Gate` for a CPU device; always opened on exit so nothing stays blocked."""
-    prog = await Device[device].program("gate", GATE)
-    flag = await Buffer(device, 1, dtypes.int32).allocate()
-    await flag.copyin(np.zeros(1, np.int32))
-    gate = Gate(prog, flag, await flag.as_memoryview())
-    try:
-        yield gate
-    finally:
-        gate.open()
-        await flag.free()
-
-
-async def int_buffer(device: str, value: int = 0, size: int = 1) -> Buffer:
-    """An allocated int32 buffer filled with ``value``."""
-    buf = await Buffer(device, size, dtypes.int32).allocate()
-    await buf.copyin(np.full(size, value, np.int32))
-    return buf
-
-
-async def assert_cancelled_at_entry(call: Callable[[], Awaitable[object]]) -> None:
-    """The checkpoint rule: inside an already-cancelled scope the coroutine raises Cancelled and
-    the code after it does not run."""
-    reached = False
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        await call()
-        reached = True
-    assert not reached, "the coroutine returned normally inside a cancelled scope"
-    assert scope.cancelled_caught
-
-
-def fail_command(device: rt.Compiled) -> Signal:
-    """Submit a raw command that raises on the device's compute queue."""
-
-    def boom() -> None:
-        raise ValueError("boom from the test")
-
-    return device._compute_queue.submit(boom, ())
 
 
 # ---- awaiting and polling ----------------------------------------------------------------------

@@ -21,9 +21,7 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, Device, Signal, dtypes
-from tests.test_load import DEVICES as CHAIN_DEVICES
-from tests.test_load import STEP_CPU, STEP_CPU1, chain
-from tests.test_signals import GATE, INC
+from tests.helpers import CHAIN_DEVICES, GATE, INC, STEP_CPU, STEP_CPU1, chain
 
 LOOPS: dict[str, tuple[str, dict[str, Any]]] = {
     "asyncio": ("asyncio", {}),

@@ -13,7 +13,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, DeviceError, dtypes
-from tests.test_signals import INC, gate_on, int_buffer
+from tests.helpers import INC, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 

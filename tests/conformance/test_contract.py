@@ -21,7 +21,7 @@ import pytest
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, DeviceError, Program, Signal, dtypes
 from tests.fake_driver import FAKEDevice
-from tests.test_signals import GATE, INC, assert_cancelled_at_entry, fail_command
+from tests.helpers import GATE, INC, assert_cancelled_at_entry, fail_command
 
 pytestmark = pytest.mark.anyio
 

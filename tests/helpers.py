@@ -1,0 +1,465 @@
+"""Shared test helpers: kernels, gates that hold a queue, buffers, fault injection, the
+ordering model. Test files import from here, never from each other."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import strategies as st
+
+import aiotinyrt as rt
+from aiotinyrt import Buffer, BufferSpec, Device, Program, Signal, dtypes, native
+
+#: Spins until flag[0] != 0 (gives up after 30 s so a failing test cannot hang the suite), then
+#: writes ``value`` to out[0]. Launch it with ``writes=(1,)``: it only reads the flag.
+GATE = """
+#include <time.h>
+void gate(volatile int* restrict flag, int* restrict out, int value) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  while (!flag[0]) {
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (t.tv_sec - t0.tv_sec > 30) break;
+  }
+  out[0] = value;
+}
+"""
+
+
+#: Busy-waits ``ms`` milliseconds of wall time, then increments out[0].
+SPIN = """
+#include <time.h>
+void spin(int* restrict out, int ms) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do {
+    clock_gettime(CLOCK_MONOTONIC, &t);
+  } while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < ms * 1000000LL);
+  out[0] += 1;
+}
+"""
+
+
+#: Writes CLOCK_MONOTONIC (the clock of Python's time.monotonic()) in seconds to out[0].
+STAMP = """
+#include <time.h>
+void stamp(double* restrict out) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  out[0] = (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+"""
+
+
+#: Increments out[0]: launches on one queue are observable in order by the final count.
+INC = "void inc(int* restrict out) { out[0] += 1; }"
+
+
+class Gate:
+    """A flag in CPU memory the test flips through a zero-copy host view, and the gate kernel."""
+
+    def __init__(self, prog: Program, flag: Buffer, view: memoryview) -> None:
+        self.prog = prog
+        self.flag = flag
+        self.view = view
+
+    def launch(self, out: Buffer, value: int = 42, **kwargs: Any) -> Signal:
+        """Enqueue a launch that holds its queue until :meth:`open`, then writes ``value`` to out[0]."""
+        return self.prog(self.flag, out, vals=(value,), writes=(1,), **kwargs)
+
+    def open(self) -> None:
+        self.view.cast("i")[0] = 1
+
+
+@contextlib.asynccontextmanager
+async def gate_on(device: str) -> AsyncIterator[Gate]:
+    """A :class:`Gate` for a CPU device; always opened on exit so nothing stays blocked."""
+    prog = await Device[device].program("gate", GATE)
+    flag = await Buffer(device, 1, dtypes.int32).allocate()
+    await flag.copyin(np.zeros(1, np.int32))
+    gate = Gate(prog, flag, await flag.as_memoryview())
+    try:
+        yield gate
+    finally:
+        gate.open()
+        await flag.free()
+
+
+async def int_buffer(device: str, value: int = 0, size: int = 1) -> Buffer:
+    """An allocated int32 buffer filled with ``value``."""
+    buf = await Buffer(device, size, dtypes.int32).allocate()
+    await buf.copyin(np.full(size, value, np.int32))
+    return buf
+
+
+async def assert_cancelled_at_entry(call: Callable[[], Awaitable[object]]) -> None:
+    """The checkpoint rule: inside an already-cancelled scope the coroutine raises Cancelled and
+    the code after it does not run."""
+    reached = False
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await call()
+        reached = True
+    assert not reached, "the coroutine returned normally inside a cancelled scope"
+    assert scope.cancelled_caught
+
+
+def fail_command(device: rt.Compiled) -> Signal:
+    """Submit a raw command that raises on the device's compute queue."""
+
+    def boom() -> None:
+        raise ValueError("boom from the test")
+
+    return device._compute_queue.submit(boom, ())
+
+
+FAULTY = "CPU:5"  # a device of its own: faults injected here must not leak into others
+
+
+def inject_failure(device: rt.Compiled, queue: str = "compute") -> Signal:
+    """Submit a command that raises ``OSError`` on one of the device's queues."""
+
+    def boom() -> None:
+        raise OSError(5, "injected device fault")
+
+    return device.queues[queue].submit(boom, ())
+
+
+ORDER_DEVICES = ("CPU", "CPU:1")
+
+
+#: Spins until flag[0] != 0 (gives up after 20 s so a broken runtime cannot hang the suite), then
+#: out[i] = in[i] + add for i < n. Launch it with ``writes=(1,)``: it reads the flag and ``in``.
+COPY_GATE = r"""
+#include <time.h>
+void gate(volatile int* flag, int* out, const int* in, int n, int add) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  while (!flag[0]) {
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (t.tv_sec - t0.tv_sec > 20) break;
+  }
+  for (int i = 0; i < n; i++) out[i] = in[i] + add;
+}
+"""
+
+
+#: out[i] = (in[i] * mul + add) & 0xFFFF, one element at a time, idling ``spin`` iterations before
+#: each so that misordered work would land in the middle of it. ``out`` and ``in`` may alias.
+AXPB = r"""
+void axpb(int* out, const int* in, int n, int mul, int add, int spin) {
+  for (int i = 0; i < n; i++) {
+    for (volatile int s = 0; s < spin; s++) {}
+    out[i] = (in[i] * mul + add) & 0xFFFF;
+  }
+}
+"""
+
+
+IntArray = npt.NDArray[np.int32]
+
+
+#: How long a negative check ("this stays pending") gives a broken runtime to show itself. A
+#: correct runtime passes whatever the machine load; only the detection of a bug depends on it.
+PENDING_WINDOW_S = 0.2
+
+
+class CopyGate:
+    """A gate kernel on ``device`` and its flag, in host memory the test owns (wrapped with
+    ``BufferSpec(external_ptr=...)``, so flipping it involves no runtime call and no ordering)."""
+
+    def __init__(self, device: str, prog: Program, host: IntArray, flag: Buffer) -> None:
+        self.device = device
+        self.prog = prog
+        self.host = host
+        self.flag = flag
+        self.launched: list[Signal] = []
+
+    def launch(self, out: Buffer, inp: Buffer, add: int = 0, **kwargs: Any) -> Signal:
+        """Enqueue ``out = inp + add``, held until :meth:`open`. ``inp`` is only read."""
+        kwargs.setdefault("writes", (1,))
+        sig = self.prog(self.flag, out, inp, vals=(out.size, add), **kwargs)
+        self.launched.append(sig)
+        return sig
+
+    def open(self) -> None:
+        self.host[0] = 1
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self.host[0])
+
+
+@contextlib.asynccontextmanager
+async def copy_gate_on(device: str) -> AsyncIterator[CopyGate]:
+    """A closed :class:`CopyGate` on a CPU device; opened on exit, which waits (shielded) for the
+    launches so the host flag outlives them."""
+    prog = await Device[device].program("gate", COPY_GATE)
+    host: IntArray = np.zeros(16, np.int32)
+    flag = await Buffer(device, 1, dtypes.int32, BufferSpec(external_ptr=host.ctypes.data)).allocate()
+    gate = CopyGate(device, prog, host, flag)
+    try:
+        yield gate
+    finally:
+        gate.open()
+        with anyio.CancelScope(shield=True):
+            for sig in gate.launched:
+                with contextlib.suppress(RuntimeError):  # failed, or captured into a graph
+                    await sig
+            await flag.free()
+
+
+async def int_array_buffer(device: str, values: object, size: int | None = None) -> Buffer:
+    """An allocated int32 buffer holding ``values`` (a scalar fills ``size`` elements)."""
+    data = np.asarray(values, np.int32)
+    if size is not None:
+        data = np.full(size, data, np.int32)
+    buf = await Buffer(device, int(data.size), dtypes.int32).allocate()
+    await buf.copyin(data)
+    return buf
+
+
+async def contents(buf: Buffer) -> list[int]:
+    return [int(v) for v in await buf.numpy()]
+
+
+async def start_copy(
+    tg: anyio.abc.TaskGroup, dest: Buffer, call: Callable[..., Coroutine[Any, Any, object]], *args: object
+) -> Signal:
+    """Start ``call(*args)`` (``dest.copy_from`` or ``dest.copyin``, which wait for their copy) in
+    a task and return once the copy is *enqueued* on ``dest``'s copy queue, with a Signal for it,
+    or once it is done, when it ran on the loop thread without being queued (a small copy into
+    memory no pending command touches: then the Signal is one that is already done).
+
+    The caller carries on submitting while the copy is in flight; a failed copy fails ``tg``.
+    """
+    timeline = dest.device_obj.queues["copy"].timeline
+    before = timeline.submitted
+    finished = anyio.Event()
+
+    async def run() -> None:
+        try:
+            await call(*args)
+        finally:
+            finished.set()
+
+    tg.start_soon(run)
+    while timeline.submitted == before and not finished.is_set():  # it submits before it waits
+        await anyio.lowlevel.checkpoint()
+    if timeline.submitted == before:
+        return Signal(timeline, 0)  # copied inline: nothing was queued
+    assert timeline.submitted == before + 1
+    return Signal(timeline, before + 1)
+
+
+async def assert_stays_pending(sig: Signal, what: str) -> None:
+    """Fail if ``sig`` completes within :data:`PENDING_WINDOW_S` (it must be held by a gate)."""
+    with pytest.raises(TimeoutError):
+        await sig.wait(timeout=PENDING_WINDOW_S)
+    assert not sig.done(), f"{what} ran while the work it must follow was held"
+
+
+async def done_while(work: Awaitable[object], gate_sig: Signal, what: str) -> None:
+    """Await ``work`` (bounded, so a runtime that wrongly serialises fails instead of hanging)
+    and check the gated ``gate_sig`` is still pending: the two did not serialise."""
+    with anyio.fail_after(10):
+        await work
+    assert not gate_sig.done(), f"{what}: the gate opened early, the test proves nothing"
+
+
+N = 24  #: elements in each base buffer
+
+
+BASES = tuple((dev, b) for dev in ORDER_DEVICES for b in range(2))  #: two base buffers per device
+
+
+@dataclass(frozen=True)
+class Launch:
+    """``axpb`` on ``dev``: base ``out`` [out_off, +n) = f(base ``inp`` [in_off, +n)), same device."""
+
+    dev: str
+    out: int
+    out_off: int
+    inp: int
+    in_off: int
+    n: int
+    mul: int
+    add: int
+    spin: int
+    declare_writes: bool  # pass writes=(0,) (else the raw-kernel default: every buffer written)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``copy_from`` of n elements between any two bases (any devices), never overlapping."""
+
+    dst: tuple[str, int]
+    dst_off: int
+    src: tuple[str, int]
+    src_off: int
+    n: int
+
+
+@dataclass(frozen=True)
+class CopyIn:
+    """Host data into [off, +n) of a base."""
+
+    dst: tuple[str, int]
+    off: int
+    values: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Read:
+    """Read [off, +n) of a base back to the host in the middle of the program."""
+
+    src: tuple[str, int]
+    off: int
+    n: int
+
+
+Op = Launch | Copy | CopyIn | Read
+
+
+@st.composite
+def ops(
+    draw: st.DrawFn,
+    kinds: tuple[str, ...] = ("launch", "launch", "copy", "copy", "copyin", "read"),
+    spins: tuple[int, ...] = (0, 100_000),
+) -> Op:
+    """One random operation; ``kinds`` weights the choice, ``spins`` are the kernel idle loops."""
+    kind = draw(st.sampled_from(kinds))
+    n = draw(st.integers(1, N))
+    off = st.integers(0, N - n)
+    if kind == "launch":
+        dev = draw(st.sampled_from(ORDER_DEVICES))
+        return Launch(
+            dev,
+            draw(st.integers(0, 1)),
+            draw(off),
+            draw(st.integers(0, 1)),
+            draw(off),
+            n,
+            draw(st.integers(1, 3)),
+            draw(st.integers(0, 100)),
+            draw(st.sampled_from(spins)),
+            draw(st.booleans()),
+        )
+    if kind == "copy":
+        dst, src = draw(st.sampled_from(BASES)), draw(st.sampled_from(BASES))
+        dst_off, src_off = draw(off), draw(off)
+        if dst == src and dst_off < src_off + n and src_off < dst_off + n:
+            dst = (dst[0], 1 - dst[1])  # memcpy of overlapping ranges is undefined: another base
+        return Copy(dst, dst_off, src, src_off, n)
+    if kind == "copyin":
+        values = tuple(draw(st.lists(st.integers(0, 0xFFFF), min_size=n, max_size=n)))
+        return CopyIn(draw(st.sampled_from(BASES)), draw(off), values)
+    return Read(draw(st.sampled_from(BASES)), draw(off), n)
+
+
+async def run_on_devices(
+    program: list[Op],
+    bases: dict[tuple[str, int], Buffer],
+    progs: dict[str, Program],
+    *,
+    capturing: bool = False,
+) -> list[list[int]]:
+    """Submit ``program`` as fast as it goes: launches return at once, copies stay in flight
+    (each in its own task, enqueued in program order) while later operations are submitted.
+
+    ``capturing``: inside ``dev.capture()``, where ``copy_from`` records and returns at once.
+    """
+
+    def view(base: tuple[str, int], off: int, n: int) -> Buffer:
+        return bases[base].view(n, dtypes.int32, off * 4)
+
+    reads: list[list[int]] = []
+    async with anyio.create_task_group() as tg:
+        for op in program:
+            if isinstance(op, Launch):
+                out, inp = view((op.dev, op.out), op.out_off, op.n), view((op.dev, op.inp), op.in_off, op.n)
+                progs[op.dev](
+                    out,
+                    inp,
+                    vals=(op.n, op.mul, op.add, op.spin),
+                    writes=(0,) if op.declare_writes else None,
+                )
+            elif isinstance(op, Copy):
+                dst, src = view(op.dst, op.dst_off, op.n), view(op.src, op.src_off, op.n)
+                if capturing:
+                    await dst.copy_from(src)
+                else:
+                    await start_copy(tg, dst, dst.copy_from, src)
+            elif isinstance(op, CopyIn):
+                dst = view(op.dst, op.off, len(op.values))
+                await start_copy(tg, dst, dst.copyin, np.array(op.values, np.int32))
+            else:
+                reads.append(await contents(view(op.src, op.off, op.n)))
+    return reads
+
+
+def c_replay_or_skip() -> None:
+    if native.replayer() is None:
+        pytest.skip(
+            "the C launch and replay are part of the extension module, built only with Python's headers"
+        )
+
+
+STEP_CPU = "void step3(unsigned int* t, int j) { t[0] = t[0] * 3u + (unsigned int)j; }"
+
+
+STEP_CPU1 = "void step5(unsigned int* t, int j) { t[0] = t[0] * 5u + (unsigned int)j; }"
+
+
+CHAIN_DEVICES = ("CPU", "CPU:1")
+
+
+def model(launches: int) -> int:
+    t = 0
+    for j in range(launches):
+        t = (t * (3 if j % 2 == 0 else 5) + j) & 0xFFFFFFFF
+    return t
+
+
+async def chain(
+    progs: tuple[Program, Program],
+    launches: int,
+    wait_every: int,
+    cancel_fraction: float,
+    rng: random.Random,
+    counts: dict[str, int],
+) -> None:
+    """One task: a chain of ``launches`` launches alternating between the two devices."""
+    word = np.zeros(1, np.uint32)
+    addr = word.ctypes.data
+    bufs = [
+        await Buffer(d, 1, dtypes.uint32, BufferSpec(external_ptr=addr)).allocate() for d in CHAIN_DEVICES
+    ]
+    prev: list[Signal] = []
+    for j in range(launches):
+        sig = progs[j % 2](bufs[j % 2], vals=(j,), wait_for=prev)
+        prev = [sig]
+        if j % wait_every == wait_every - 1:
+            if rng.random() < cancel_fraction:
+                with anyio.move_on_after(rng.uniform(0, 2e-4)) as scope:
+                    await sig
+                counts["armed"] += 1
+                counts["cancelled"] += scope.cancelled_caught
+            else:
+                await sig
+            counts["waits"] += 1
+    await prev[-1]
+    counts["waits"] += 1
+    for buf in bufs:
+        await buf.free()
+    assert int(word[0]) == model(launches), "a cross-device chain ran out of order"
