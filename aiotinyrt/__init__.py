@@ -11,8 +11,8 @@ from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import CompileError, Compiler
 from aiotinyrt.device import Compiled, Device, get_available_devices, open_device, synchronize
 from aiotinyrt.dtype import DType, dtypes
+from aiotinyrt.kernel import BufferParam, IntParam, Kernel, KernelError, Renderer
 from aiotinyrt.program import Program
-from aiotinyrt.renderer import BufferParam, IntParam, Kernel, KernelError, Renderer
 from aiotinyrt.signal import DeviceError, Signal, Timeline
 
 __version__ = "0.1.0"

@@ -23,10 +23,10 @@ from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
 from aiotinyrt.graph import Graph, capture
 from aiotinyrt.helpers import debug_level
+from aiotinyrt.kernel import Kernel, Renderer
 from aiotinyrt.program import Program
 from aiotinyrt.queue import HostQueue, Queue
 from aiotinyrt.registry import _DeviceRegistry
-from aiotinyrt.renderer import Kernel, Renderer
 from aiotinyrt.signal import DeviceError, Signal
 
 
@@ -107,7 +107,7 @@ class Compiled:
     async def program(self, name: str | Kernel, src: str | None = None) -> Program:
         """Compile (through the cache) and load a kernel: ``program(name, c_source)`` for raw
         source in this backend's language, or ``program(kernel)`` for a portable
-        :class:`~aiotinyrt.renderer.Kernel`, rendered by this device's renderer.
+        :class:`~aiotinyrt.kernel.Kernel`, rendered by this device's renderer.
 
         Cancellation: cancels the wait; if this call was running the compiler, the compiler
         process is killed (see ``Compiler.compile_cached``).

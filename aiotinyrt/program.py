@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 from aiotinyrt import hazards, native
 from aiotinyrt.buffer import Buffer
+from aiotinyrt.kernel import Kernel
 from aiotinyrt.queue import HostQueue, Queue, capturing
 from aiotinyrt.registry import DeviceLike
-from aiotinyrt.renderer import Kernel
 from aiotinyrt.signal import DeviceError, Signal, Timeline
 
 #: The first item of the repeat-launch cache keys of launches passing vals: no argument list

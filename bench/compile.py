@@ -48,7 +48,7 @@ from _samples import Samples  # noqa: E402  (bench/ is sys.path[0])
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 from aiotinyrt.compiler import Compiler  # noqa: E402
-from aiotinyrt.renderer import BufferParam, ClangRenderer, IntParam, Kernel, cpu_threads  # noqa: E402
+from aiotinyrt.kernel import BufferParam, ClangRenderer, IntParam, Kernel, cpu_threads  # noqa: E402
 
 TARGET_CONCURRENT_X = 1.7
 TARGET_HIT_US = 5.0

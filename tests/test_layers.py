@@ -17,7 +17,7 @@ LAYERS: list[list[str]] = [
     ["native"],
     ["signal"],
     ["queue"],
-    ["driverqueue", "compiler", "allocator", "hazards", "renderer", "kernel"],
+    ["driverqueue", "compiler", "allocator", "hazards", "kernel"],
     ["registry"],
     ["buffer"],
     ["program"],

@@ -24,7 +24,7 @@ import pytest
 
 from aiotinyrt import Buffer, Device, dtypes, open_device
 from aiotinyrt.dtype import ALL_DTYPES, DType
-from aiotinyrt.renderer import (
+from aiotinyrt.kernel import (
     BufferParam,
     ClangRenderer,
     CUDARenderer,
@@ -989,5 +989,5 @@ def test_cuda_output_compiles_with_nvcc(name: str, cuda_ptx: str) -> None:
 
 
 def test_module_docstring_states_the_cpu_convention() -> None:
-    doc = sys.modules["aiotinyrt.renderer"].__doc__ or ""
+    doc = sys.modules["aiotinyrt.kernel"].__doc__ or ""
     assert "int gsz0, int gsz1, int gsz2, int core_id, int core_count" in doc

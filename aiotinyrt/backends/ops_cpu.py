@@ -29,8 +29,8 @@ from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
 from aiotinyrt.helpers import debug_level, find_cc, getenv
+from aiotinyrt.kernel import ClangRenderer, Kernel, cpu_threads
 from aiotinyrt.program import Program
-from aiotinyrt.renderer import ClangRenderer, Kernel, cpu_threads
 
 _ffi = cffi.FFI()
 _ffi.cdef(
