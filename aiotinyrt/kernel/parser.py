@@ -72,6 +72,8 @@ class _Expected(Exception):
 
 
 class _TypeAsValue(Exception):
+    """A type name stands where a value was expected."""
+
     def __init__(self, token: Any) -> None:
         super().__init__(token.value)
         self.token = token
@@ -88,6 +90,7 @@ class _BodyParser(CParser):  # type: ignore[misc]  # pycparser ships no type inf
         self.multi: set[int] = set()
 
     def parse_text(self, text: str) -> Any:
+        """pycparser's tree of ``text``; the parentheses and declarations it saw are recorded."""
         self.parens, self.multi = {}, set()
         return self.parse(text, "body")
 

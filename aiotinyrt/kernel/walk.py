@@ -70,21 +70,26 @@ class Walker:
 
     # -- positions
     def offset(self, pos: Pos) -> int:
+        """The offset in the body of a (line, column) position."""
         return sum(len(s) + 1 for s in self.lines[: pos[0] - 1]) + pos[1] - 1
 
     def position(self, offset: int) -> Pos:
+        """The (line, column) position of an offset in the body."""
         return self.text.count("\n", 0, offset) + 1, offset - (self.text.rfind("\n", 0, offset) + 1) + 1
 
     def end(self) -> Pos:
+        """The position just past the body's last character."""
         return len(self.lines), len(self.lines[-1]) + 1
 
     def at(self, node: Any) -> Pos:
+        """The position pycparser gives ``node`` (its first operand's, for an operator)."""
         coord = getattr(node, "coord", None)
         if coord is None or not getattr(coord, "column", None):
             return 1, 1
         return coord.line - 1, coord.column
 
     def error(self, message: str, pos: Pos) -> KernelError:
+        """A KernelError for ``message`` at ``pos`` of this kernel's body."""
         return KernelError(f"kernel {self.kernel_name!r}, body line {pos[0]} column {pos[1]}: {message}")
 
     def token_after(self, offset: int) -> tuple[str, Pos]:
@@ -136,12 +141,14 @@ class Walker:
 
     # -- names and scopes
     def lookup_local(self, name: str) -> DType | None:
+        """The dtype of local ``name`` in the innermost scope that has it, or None."""
         for scope in reversed(self.scopes):
             if name in scope:
                 return scope[name]
         return None
 
     def declare(self, dtype: DType, name: str, pos: Pos) -> str:
+        """Declare local ``name`` in the current scope, after the checks a new name must pass."""
         if name in self.buffers or name in self.ints or name in GLOBAL_NAMES:
             raise self.error(f"local variable {name!r} shadows a parameter or a global index", pos)
         if name in RESERVED_NAMES or name in FUNCTIONS or name.startswith(("__", "aiotinyrt_")):
@@ -155,6 +162,7 @@ class Walker:
         return name
 
     def undeclared(self, name: str, pos: Pos) -> KernelError:
+        """The error for a name that is not a parameter, an index or a local."""
         params = ", ".join([*self.buffers, *sorted(self.ints)]) or "none"
         return self.error(
             f"{name!r} is not declared: not a parameter (parameters: {params}), a global "
@@ -178,6 +186,7 @@ class Walker:
         return ctype.TYPE_NAMES.get(names[0]) if len(names) == 1 else None
 
     def use_buffer(self, name: str, pos: Pos, *, read: bool) -> None:
+        """Record a read or a write of buffer ``name``, checking its declared access."""
         param = self.buffers[name]
         if read and not param.reads:
             raise self.error(f"buffer {name!r} is declared write-only ('w'); declare it 'rw' to read it", pos)
@@ -190,6 +199,7 @@ class Walker:
 
     # -- statements
     def items(self, compound: Any) -> tuple[Stmt, ...]:
+        """The statements of a ``{ ... }`` block, in the current scope."""
         return tuple(self.statement(s) for s in compound.block_items or ())
 
     def body_of(self, node: Any) -> tuple[Stmt, ...]:
@@ -201,6 +211,7 @@ class Walker:
             self.scopes.pop()
 
     def statement(self, node: Any) -> Stmt:
+        """One statement of the body."""
         if isinstance(node, c_ast.Compound):
             return Block(self.body_of(node))
         if isinstance(node, c_ast.Decl):
@@ -224,6 +235,7 @@ class Walker:
         return self.assignment(node)
 
     def declaration(self, node: Any) -> Decl:
+        """``dtype name = value;``: a new local variable."""
         pos = self.at(node)
         if id(node) in self.multi:
             raise self.error("expected ';', found ','", pos)
@@ -242,6 +254,7 @@ class Walker:
         return Decl(dtype, self.declare(dtype, node.name, pos), value)
 
     def for_loop(self, node: Any) -> For:
+        """``for (int k = a; cond; step) body``, the variable declared in the loop's scope."""
         if not isinstance(node.init, c_ast.DeclList):
             raise self.error(
                 "a for loop must declare its variable: for (int k = 0; k < n; k++)",
@@ -341,6 +354,7 @@ class Walker:
 
     # -- expressions
     def expression(self, node: Any) -> Expr:
+        """A typed expression; anything outside the language raises KernelError."""
         pos = self.at(node)
         if isinstance(node, c_ast.Constant):
             return self.constant(node, pos)
@@ -394,6 +408,7 @@ class Walker:
         )
 
     def constant(self, node: Any, pos: Pos) -> Expr:
+        """An integer or float literal, typed as C types it."""
         text = node.value
         if node.type in ("float", "double", "long double"):
             if not _FLOAT_TEXT.match(text):
@@ -410,6 +425,7 @@ class Walker:
         return Expr("const", dtype, text)
 
     def name(self, name: str, pos: Pos) -> Expr:
+        """A name used as a value: true/false, an int parameter, a global index or a local."""
         if name in ("true", "false"):
             return Expr("const", dtypes.bool, name)
         if name in self.buffers:
@@ -422,6 +438,7 @@ class Walker:
         raise self.undeclared(name, pos)
 
     def unary(self, node: Any, pos: Pos) -> Expr:
+        """``-x``, ``+x``, ``!x`` or ``~x``."""
         op = node.op
         if op in ("++", "--", "p++", "p--"):
             raise self.error(f"{op[-2:]!r} is a statement, not an expression", pos)
@@ -437,6 +454,7 @@ class Walker:
         return Expr("unary", dtype, op, (x,))
 
     def binary(self, op: str, a: Expr, b: Expr, pos: Pos) -> Expr:
+        """A binary operation, typed by C's rules; integer-only operators check their operands."""
         if op in ctype.INT_ONLY_OPS and (a.dtype.is_float or b.dtype.is_float):
             raise self.error(
                 f"operator {op!r} needs integer operands, got {a.dtype.name} and {b.dtype.name}", pos
@@ -451,12 +469,14 @@ class Walker:
         return Expr("binary", dtype, op, (a, b))
 
     def index_expr(self, node: Any) -> Expr:
+        """A buffer index: an integer (or bool) expression."""
         index = self.expression(node)
         if not index.dtype.is_int and index.dtype != dtypes.bool:
             raise self.error(f"an index must be an integer, got {index.dtype.name}", self.at(node))
         return index
 
     def call(self, name: str, arg_nodes: Sequence[Any], pos: Pos) -> Expr:
+        """A call of one of the language's math functions, checked for arity and argument types."""
         if name not in FUNCTIONS:
             if name in self.buffers or name in self.ints or name in GLOBAL_NAMES or self.lookup_local(name):
                 raise self.error(f"{name!r} is not a function", pos)
