@@ -240,7 +240,7 @@ def _pycparser_error(walker: Walker, message: str) -> NoReturn:
     if pos[0] > len(walker.lines):
         pos = walker.end()
     _stray_brace(walker, walker.offset(pos))
-    what = "the end of the body" if match is None else match.group(3)
+    what = "unexpected end of the body" if match is None else match.group(3)
     if what.startswith("Invalid octal"):
         literal = _NUMBER.match(walker.text, walker.offset(pos))
         text = literal.group() if literal else "?"
