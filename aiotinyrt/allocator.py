@@ -173,6 +173,14 @@ class Allocator(Generic[T]):
     def _can_transfer_from(self, src_device: AllocatorOwner) -> bool:
         return False
 
+    def direct_from(self, src_device: AllocatorOwner) -> bool:
+        """Whether a copy from ``src_device``'s memory into this device's is one ``_transfer``
+        (the backend has one, and it reads that device's memory); else it is staged through
+        host memory (the source's copy worker copies out, this one's copies in)."""
+        if type(self)._transfer is Allocator._transfer:
+            return False
+        return src_device is self.device or self._can_transfer_from(src_device)
+
     # Native variants (see aiotinyrt.native): the same copy as one C call the queue's worker makes
     # without the GIL, as ``(fn, nargs, block, keep)`` like ``Program._native_call``; None where
     # the backend has none (the Python hook above runs instead). Sizes are checked by the caller.
@@ -378,7 +386,7 @@ class Allocator(Generic[T]):
         deps = self.device._barrier() + src_device._barrier()
         keep = (dest, src)
         queue = self.device._copy_queue
-        if src_device is self.device or self._can_transfer_from(src_device):
+        if self.direct_from(src_device):
             call = self._native_transfer(dest, src, nbytes) if queue.native else None
             await queue.submit_either(call, self._transfer, (dest, src, nbytes, src_device), deps, keep)
             return

@@ -436,7 +436,7 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
     graph = capturing.get()
     if graph is not None:
         await anyio.lowlevel.checkpoint()
-        if src_dev is device or alloc._can_transfer_from(src_dev):
+        if alloc.direct_from(src_dev):
             args = (dst_handle, src_handle, dest.nbytes, src_dev)
             graph._record(queue, alloc._transfer, args, (dest, src), [True, False])
             return
@@ -446,7 +446,7 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
         graph._record(src_dev._copy_queue, src_dev.allocator._copyout, out_args, (src,), [False])
         graph._record(queue, alloc._copyin, (dst_handle, staging), (dest,), [True])
         return
-    if src_dev is device or alloc._can_transfer_from(src_dev):
+    if alloc.direct_from(src_dev):
         deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
         call = alloc._native_transfer(dst_handle, src_handle, dest.nbytes) if queue.native else None
         args = (dst_handle, src_handle, dest.nbytes, src_dev)

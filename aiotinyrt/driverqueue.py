@@ -14,7 +14,13 @@ another driver) is waited for on the device side: the command, and every later c
 queue, is held back until it completes and then handed to the driver from the thread that
 completed it. The loop never waits.
 
-Completion, failure, closing follow the host-run queue's rules exactly (:mod:`aiotinyrt.queue`):
+A command completes only once its driver reported it *and* every command in its wait list
+completed on its own queue (a driver's callbacks may report a dependent first); if one of those
+failed, or an earlier command of this queue it waits for did, it fails with "not run because a
+command it depends on failed", as on a host-run queue. (The driver has had it by then: a driver
+that skips commands after a failed wait, as OpenCL does, has not run it.)
+
+Completion, failure, closing follow the host-run queue's rules (:mod:`aiotinyrt.queue`):
 values complete in order (a driver reporting out of order is put back in order here); a command
 that raised fails its Signal with a ``DeviceError`` that becomes the device's sticky error, and
 every command completing after it fails with that error until ``reset()``; a command whose
@@ -90,6 +96,9 @@ class DriverQueue:
         self._held: deque[Signal] = deque()  # waiting for a dependency elsewhere, in value order
         self._results: dict[int, tuple[float, BaseException | None]] = {}
         self._advancing = False
+        self._again = False
+        self._unrun: set[int] = set()  # results of commands never handed to the driver
+        self._taken = 0  # the last value whose result completion took
         self._local = threading.local()  # .enqueuing: inside driver.enqueue on this thread
         _BY_TIMELINE[id(self.timeline)] = self
 
@@ -105,10 +114,10 @@ class DriverQueue:
         keep: object = None,
     ) -> Signal:
         """Hand ``fn(*args)`` to the driver after ``deps``; return its Signal at once."""
-        if self._stopping:
-            raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
         pending: list[Signal] = []
         with self._submit_lock:
+            if self._stopping:  # (checked under the lock: stop() empties what is held)
+                raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
             value = self._next
             self._next += 1
             self.timeline.submitted = value
@@ -122,7 +131,8 @@ class DriverQueue:
                     self._held.append(sig)
         if pending:
             when_all_done(pending, self._flush, after=True)
-        self._advance()
+        elif self._results:  # completed here (not run, or reported inside enqueue)
+            self._advance()
         return sig
 
     def submit_either(
@@ -157,17 +167,17 @@ class DriverQueue:
         pending: list[Signal] = []
         for dep in sig._deps:
             timeline = dep.timeline
-            if timeline is self.timeline:
-                continue  # ordered by the driver's queue (a failure there makes the device sticky)
             other = _BY_TIMELINE.get(id(timeline))
             event = (
-                other._events.get(dep.value) if other is not None and other.driver is self.driver else None
+                other._events.get(dep.value) if other is not None and other.context is self.context else None
             )
             if timeline.completed >= dep.value:
                 error = dep.error()
                 if error is not None:
                     self._finish(sig, dependency_failed(device.name, timeline.label, dep.value, error))
                     return []
+            elif timeline is self.timeline:
+                continue  # ordered by the driver's queue; its outcome is checked at completion
             elif event is None:
                 pending.append(dep)
             else:
@@ -187,9 +197,13 @@ class DriverQueue:
 
         self._local.enqueuing = True
         try:
-            self._events[value] = self.driver.enqueue(fn, sig._args, waits, done)
+            event = self.driver.enqueue(fn, sig._args, waits, done)
         except BaseException as exc:  # the command fails; the queue goes on
             self._report(value, 0.0, exc, start)
+        else:
+            with self._done_lock:  # (a command already completed keeps no event: none leaks)
+                if value > self._taken and value not in self._results:
+                    self._events[value] = event
         finally:
             self._local.enqueuing = False
         return []
@@ -207,9 +221,10 @@ class DriverQueue:
         self._advance()
 
     def _finish(self, sig: Signal, error: BaseException) -> None:
-        """Complete a command that is not run, in its turn."""
+        """Complete a command that is not run, in its turn (its dependencies do not matter)."""
         with self._done_lock:
             self._results[sig.value] = (0.0, error)
+            self._unrun.add(sig.value)
 
     # ---- completion -------------------------------------------------------------------------------
     def _report(self, value: int, seconds: float, error: BaseException | None, start: float) -> None:
@@ -224,23 +239,57 @@ class DriverQueue:
             self._advance()
 
     def _advance(self) -> None:
-        """Complete, in value order, every command whose result is in (one thread at a time)."""
+        """Complete, in value order, every command whose result is in and whose dependencies
+        completed. One thread at a time: a call while another thread advances makes that thread
+        look again before it stops, so no result is left behind; a callback that raises never
+        leaves the queue wedged."""
         with self._done_lock:
             if self._advancing:
+                self._again = True
                 return
             self._advancing = True
+        again = True
+        while again:
+            error: BaseException | None = None
+            try:
+                self._advance_locked_out()
+            except BaseException as exc:
+                error = exc
+            with self._done_lock:
+                again, self._again = self._again and error is None, False
+                if not again:
+                    self._advancing = False
+            if error is not None:
+                raise error
+
+    def _advance_locked_out(self) -> bool:
+        """The body of :meth:`_advance`; True when it stopped at a command whose dependencies
+        have not completed yet (a waiter calls ``_advance`` again then)."""
         timeline, device = self.timeline, self.device
         debug = debug_level()
         while True:
             with self._done_lock:
                 value = timeline.completed + 1
-                result = self._results.pop(value, None)
-                if result is None:
-                    self._advancing = False
-                    return
-            seconds, error = result
-            sig = self._commands.pop(value)
-            self._events.pop(value, None)
+                if value not in self._results:
+                    return False
+                sig = self._commands[value]
+                # a dependency in the wait list counts once its own queue completed it: a
+                # driver's callbacks may report a dependent before its dependency
+                ran = value not in self._unrun
+                late = [d for d in sig._deps if d.timeline is not timeline and d.timeline.completed < d.value]
+                if late and ran:
+                    break
+                self._unrun.discard(value)
+                seconds, error = self._results.pop(value)
+                del self._commands[value]
+                self._events.pop(value, None)
+                self._taken = value
+            if error is None and ran:
+                for dep in sig._deps:
+                    dep_error = dep.error()
+                    if dep_error is not None:  # (in the wait list, or earlier on this queue)
+                        error = dependency_failed(device.name, dep.timeline.label, dep.value, dep_error)
+                        break
             if error is not None and not isinstance(error, DeviceError):
                 error = device._fail(error, sig)
             elif error is None and device._error is not None:
@@ -253,6 +302,8 @@ class DriverQueue:
                 print(f"{timeline.label}@{value}: {describe(sig._fn, sig._keep)} {fmt_time(seconds)}")
             sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
             timeline.advance(value)
+        when_all_done(late, self._advance, after=True)
+        return True
 
     # ---- state ------------------------------------------------------------------------------------
     def queued(self) -> int:
@@ -270,8 +321,8 @@ class DriverQueue:
             return
         name = self.device.name
         self._closed_error = DeviceError(f"{name} was closed before this command ran", device=name)
-        self._stopping = True
         with self._submit_lock:
+            self._stopping = True
             if drop_queued:
                 while self._held:
                     self._finish(self._held.popleft(), self._closed_error)

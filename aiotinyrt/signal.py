@@ -266,7 +266,10 @@ class Timeline:
                     break
             later += self._fire(due)
         for callback in later:
-            callback()
+            try:
+                callback()
+            except BaseException as exc:  # as internal ones: never kill the completing thread
+                _report_callback_error(exc)
 
     def fire_due(self) -> None:
         """Fire every waiter whose value has been reached: internal callbacks first, then wake-ups."""

@@ -1,0 +1,158 @@
+"""DriverQueue on a driver the test completes by hand: wait lists within one driver context,
+completions out of order, failures reported late, events released, callbacks that raise, close."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from aiotinyrt import DeviceError, Signal
+from aiotinyrt.driverqueue import Done, DriverQueue
+
+
+class Owner:
+    """The little a queue needs of its device."""
+
+    def __init__(self, name: str = "MANUAL") -> None:
+        self.name = name
+        self._error: DeviceError | None = None
+
+    def _fail(self, exc: BaseException, sig: Signal) -> DeviceError:
+        error = DeviceError(
+            f"{self.name}: command {sig.timeline.label}@{sig.value} failed: {exc!r}", cause=exc
+        )
+        if self._error is None:
+            self._error = error
+        return error
+
+
+class Manual:
+    """A driver whose commands run only when the test says so."""
+
+    def __init__(self, early: bool = False) -> None:
+        self.commands: list[tuple[Callable[..., object], tuple[Any, ...], list[object], Done]] = []
+        self.early = early  # each command completes, on another thread, before enqueue returns
+
+    def enqueue(
+        self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
+    ) -> object:
+        self.commands.append((fn, args, list(waits), done))
+        if self.early:
+            thread = threading.Thread(target=self.complete, args=(len(self.commands) - 1,))
+            thread.start()
+            thread.join()
+        return object()
+
+    def complete(self, i: int, error: BaseException | None = None) -> None:
+        fn, args, _, done = self.commands[i]
+        if error is None:
+            fn(*args)
+        done(0.001, error)
+
+
+def nothing() -> None:
+    pass
+
+
+def test_a_dependency_on_a_queue_of_the_same_context_joins_the_wait_list() -> None:
+    owner, context = Owner(), object()
+    first, second = Manual(), Manual()
+    q1 = DriverQueue(owner, "compute", first, context=context)
+    q2 = DriverQueue(owner, "copy", second, context=context)
+    a = q1.submit(nothing, ())
+    b = q2.submit(nothing, (), (a,))
+    assert len(second.commands) == 1, "held back although the driver can wait for it"
+    assert second.commands[0][2] == [q1._events[a.value]]
+    first.complete(0)
+    second.complete(0)
+    assert a.done() and b.done() and b.error() is None
+
+
+def test_completions_reported_out_of_order_complete_in_order() -> None:
+    driver = Manual()
+    queue = DriverQueue(Owner(), "compute", driver)
+    sigs = [queue.submit(nothing, ()) for _ in range(3)]
+    driver.complete(2)
+    driver.complete(1)
+    assert queue.timeline.completed == 0 and not any(s.done() for s in sigs)
+    driver.complete(0)
+    assert queue.timeline.completed == 3 and all(s.error() is None for s in sigs)
+
+
+def test_a_dependent_reported_before_its_failed_dependency_still_fails() -> None:
+    owner, context = Owner(), object()
+    first, second = Manual(), Manual()
+    q1 = DriverQueue(owner, "compute", first, context=context)
+    q2 = DriverQueue(Owner("OTHER"), "copy", second, context=context)
+    a = q1.submit(nothing, ())
+    b = q2.submit(nothing, (), (a,))
+    second.complete(0)  # the dependent's callback comes first
+    assert not b.done(), "completed before the command it waits for"
+    first.complete(0, ValueError("boom"))
+    assert a.failed()
+    with pytest.raises(DeviceError, match="depends on failed"):
+        b.result()
+
+
+def test_a_failed_dependency_on_the_same_queue_fails_the_dependent() -> None:
+    driver = Manual()
+    queue = DriverQueue(Owner(), "compute", driver)
+    other = DriverQueue(Owner("OTHER"), "compute", Manual())
+    failed = other.submit(nothing, ())
+    other.driver.complete(0, ValueError("boom"))  # type: ignore[attr-defined]
+    x = queue.submit(nothing, (), (failed,))  # not run: its dependency failed
+    y = queue.submit(nothing, (), (x,))
+    assert x.failed() and y.failed()
+    with pytest.raises(DeviceError, match="depends on failed"):
+        y.result()
+
+
+def test_no_event_is_kept_for_a_command_that_completed_before_enqueue_returned() -> None:
+    queue = DriverQueue(Owner(), "compute", Manual(early=True))
+    sigs = [queue.submit(nothing, ()) for _ in range(50)]
+    assert all(s.done() for s in sigs)
+    assert queue._events == {}
+
+
+def test_a_raising_completion_callback_does_not_wedge_the_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    driver = Manual()
+    queue = DriverQueue(Owner(), "compute", driver)
+    first = queue.submit(nothing, ())
+
+    def boom() -> None:
+        raise MemoryError("from a callback")
+
+    queue.timeline.add_waiter(first.value, boom, internal=True, after=True)
+    later = [queue.submit(nothing, ()) for _ in range(3)]
+    for i in range(4):
+        driver.complete(i)
+    assert all(s.done() for s in later)
+    assert "from a callback" in capsys.readouterr().err
+
+
+def test_completions_from_another_thread_wake_a_blocked_waiter() -> None:
+    driver = Manual()
+    queue = DriverQueue(Owner(), "compute", driver)
+    sig = queue.submit(nothing, ())
+    finished = threading.Event()
+    queue.timeline.add_waiter(sig.value, finished.set, internal=True)
+    thread = threading.Thread(target=driver.complete, args=(0,))
+    thread.start()
+    assert finished.wait(10)
+    thread.join()
+
+
+def test_closing_fails_held_back_commands_and_refuses_new_ones() -> None:
+    driver = Manual()
+    queue = DriverQueue(Owner(), "compute", driver)
+    host_dependency = DriverQueue(Owner("HOST"), "compute", Manual(), context=object())
+    pending = host_dependency.submit(nothing, ())
+    held = queue.submit(nothing, (), (pending,))
+    assert driver.commands == []  # held back: another context
+    queue.stop(drop_queued=True, join_timeout=None)
+    assert held.failed()
+    with pytest.raises(DeviceError, match="closed"):
+        queue.submit(nothing, ())
