@@ -8,7 +8,9 @@ layers in front of it:
 2. single flight: concurrent calls for the same source share one compilation;
 3. a persistent sqlite cache shared by processes (WAL mode), read and written from worker
    threads. A corrupt, locked or read-only cache file produces one warning and the compiler
-   carries on without it; it never fails a compile.
+   carries on without it; it never fails a compile. Each entry stores the SHA-256 of its binary:
+   an entry that fails it (truncated, emptied) is dropped and recompiled with one warning. The
+   file lives in a private, checked directory (:mod:`aiotinyrt.cachedir`).
 
 Keys include the compiler's identity (path, version banner, flags, target), so a toolchain
 upgrade never returns a stale binary. ``CCACHE=0`` disables both caches, ``ASSERT_COMPILE=1``
@@ -32,6 +34,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from aiotinyrt import cachedir
 from aiotinyrt.helpers import cache_path, getenv
 
 T = TypeVar("T")
@@ -47,17 +50,25 @@ class CompileError(RuntimeError):
         self.src = src
 
 
+class _NoPrivateLocation(Exception):
+    """:func:`cachedir.resolve` found no private place for the file (it warned already)."""
+
+
 class DiskCache:
     """The sqlite compile cache. Every method blocks, so call it from a worker thread.
 
     A corrupt file is replaced by an empty one; any other error (locked, read-only, disk full)
-    turns the cache off for the rest of the process. Either way it warns once.
+    turns the cache off for the rest of the process. Either way it warns once. The file actually
+    used (``file``) is ``path`` unless :mod:`aiotinyrt.cachedir` refused that location.
     """
 
-    VERSION = 1
+    VERSION = 2  # (key, lib, sha256 of lib)
+    #: Files sqlite keeps next to the database.
+    COMPANIONS = ("-wal", "-shm", "-journal")
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.file = path
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._warned = False
@@ -65,12 +76,17 @@ class DiskCache:
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=5.0, check_same_thread=False, isolation_level=None)
+            file = cachedir.resolve(self.path, self.COMPANIONS)
+            if file is None:
+                raise _NoPrivateLocation
+            self.file = file
+            cachedir.create_private_file(file)  # 0600; sqlite gives -wal and -shm the same mode
+            conn = sqlite3.connect(file, timeout=5.0, check_same_thread=False, isolation_level=None)
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute(
-                    f"CREATE TABLE IF NOT EXISTS compile_v{self.VERSION} (key TEXT PRIMARY KEY, lib BLOB)"
+                    f"CREATE TABLE IF NOT EXISTS compile_v{self.VERSION} "
+                    "(key TEXT PRIMARY KEY, lib BLOB, sha256 BLOB)"
                 )
                 # a truncated or garbled file often opens fine and fails only here
                 conn.execute(f"SELECT count(*) FROM compile_v{self.VERSION} WHERE key = ''").fetchone()
@@ -83,7 +99,7 @@ class DiskCache:
     def _warn(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"aiotinyrt: compile cache {self.path} {message}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"aiotinyrt: compile cache {self.file} {message}", RuntimeWarning, stacklevel=4)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -95,22 +111,26 @@ class DiskCache:
         """Replace a corrupt cache file with an empty one; False if that is impossible."""
         self._drop_connection()
         try:
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            for suffix in ("", *self.COMPANIONS):
+                Path(f"{self.file}{suffix}").unlink(missing_ok=True)
             self._connect()
-        except (sqlite3.Error, OSError):
+        except (sqlite3.Error, OSError, _NoPrivateLocation):
             return False
         self._warn(f"was corrupt ({exc}); rebuilt it empty")
         return True
 
     def _attempt(self, op: Callable[[sqlite3.Connection], T]) -> T | None:
         """Run ``op`` on the connection. A corrupt file is rebuilt once and ``op`` retried; any
-        other error (locked, read-only, disk full) turns the cache off with one warning."""
+        other error (locked, read-only, disk full) turns the cache off with one warning, and no
+        private location at all turns it off silently (:mod:`aiotinyrt.cachedir` warned)."""
         with self._lock:
             if self.disabled:
                 return None
             try:
                 return op(self._connect())
+            except _NoPrivateLocation:
+                self.disabled = True
+                return None
             except (sqlite3.Error, OSError) as exc:
                 corrupt = isinstance(exc, sqlite3.DatabaseError) and not isinstance(
                     exc, sqlite3.OperationalError
@@ -126,17 +146,39 @@ class DiskCache:
                 return None
 
     def get(self, key: str) -> bytes | None:
-        row = self._attempt(
-            lambda conn: conn.execute(
-                f"SELECT lib FROM compile_v{self.VERSION} WHERE key = ?", (key,)
-            ).fetchone()
-        )
-        return None if row is None else bytes(row[0])
+        """The binary stored under ``key``, or None. An entry whose binary fails its checksum
+        (truncated, emptied, overwritten) is deleted, with one warning, and reads as a miss."""
+        damaged: list[int] = []
+
+        def read(conn: sqlite3.Connection) -> bytes | None:
+            table = f"compile_v{self.VERSION}"
+            row = conn.execute(f"SELECT lib, sha256 FROM {table} WHERE key = ?", (key,)).fetchone()
+            if row is None:
+                return None
+            lib = bytes(row[0] or b"")
+            if row[1] is not None and hashlib.sha256(lib).digest() == bytes(row[1]):
+                return lib
+            conn.execute(f"DELETE FROM {table} WHERE key = ?", (key,))
+            damaged.append(len(lib))
+            return None
+
+        lib = self._attempt(read)
+        if damaged:
+            warnings.warn(
+                f"aiotinyrt: compile cache {self.file}: the entry {key[:16]} was damaged "
+                f"({damaged[0]} bytes that fail their checksum); recompiling it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return lib
 
     def put(self, key: str, lib: bytes) -> None:
+        """Store ``lib`` under ``key`` with its checksum."""
+        digest = hashlib.sha256(lib).digest()
         self._attempt(
             lambda conn: conn.execute(
-                f"INSERT OR REPLACE INTO compile_v{self.VERSION} (key, lib) VALUES (?, ?)", (key, lib)
+                f"INSERT OR REPLACE INTO compile_v{self.VERSION} (key, lib, sha256) VALUES (?, ?, ?)",
+                (key, lib, digest),
             )
         )
 

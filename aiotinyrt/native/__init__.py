@@ -34,9 +34,11 @@ it, so ``fn(a0, ..., an)`` with ``uint64_t`` parameters calls a kernel declared 
 and ``int`` vals correctly. Other platforms use the Python worker (:func:`load` returns None).
 
 The library is built once per machine with the C compiler the CPU backend uses and kept next to
-the compile cache (``CACHEDB``'s directory, else ``$XDG_CACHE_HOME/aiotinyrt``); without a
-compiler, or with ``NATIVE_QUEUE=0``, every queue runs on the pure-Python worker, which has the
-same semantics. Built with Python's headers (when present) the library is also a CPython extension
+the compile cache (``CACHEDB``'s directory, else ``$XDG_CACHE_HOME/aiotinyrt``), in a location
+checked like the compile cache (:mod:`aiotinyrt.cachedir`: private to the user, else a private
+fallback, with one warning); without a compiler, without any private location, with a library
+that does not load, or with ``NATIVE_QUEUE=0``, every queue runs on the pure-Python worker, which
+has the same semantics. Built with Python's headers (when present) the library is also a CPython extension
 module with two hot paths: ``push()`` and ``launch()``, the repeat launch of ``Program.__call__``.
 """
 
@@ -55,6 +57,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import cffi
 
+from aiotinyrt import cachedir
 from aiotinyrt.helpers import cache_path, debug_level, find_cc, getenv, getenv_str
 
 _DIR = Path(__file__).parent
@@ -139,25 +143,32 @@ def _python_include() -> str | None:
 
 def _compile(cc: list[str], sources: tuple[str, ...], flags: list[str], tag: str) -> Path | None:
     """Build ``sources`` with ``flags`` into the cache directory (once per machine and source
-    digest); None on failure."""
+    digest); None on failure. The directory and the library are checked
+    (:mod:`aiotinyrt.cachedir`) before anything is built or loaded; a refused location moves the
+    library to the private fallback directory."""
     key = "\0".join([source_digest(), *cc, platform.machine(), *flags])
-    target = _cache_dir() / f"hostq-{tag}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    name = f"hostq-{tag}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    target = cachedir.resolve(_cache_dir() / name)
+    if target is None:
+        return None
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".hostq-", suffix=".so")
-    os.close(fd)
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".hostq-", suffix=".so")
+        os.close(fd)
         subprocess.run(
             [*cc, *CFLAGS, "-fPIC", "-shared", *flags, *(str(_DIR / f) for f in sources), "-o", tmp],
             check=True,
             capture_output=True,
             timeout=120,
         )
+        os.chmod(tmp, 0o600)  # the compiler wrote a new file under the process's umask
         os.replace(tmp, target)  # atomic: concurrent processes each install a whole file
     except (OSError, subprocess.SubprocessError) as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if debug_level() >= 1:
             stderr = getattr(exc, "stderr", b"") or b""
             print(f"aiotinyrt: native queue ({tag}) not built: {exc}\n{stderr.decode(errors='replace')}")
@@ -165,13 +176,34 @@ def _compile(cc: list[str], sources: tuple[str, ...], flags: list[str], tag: str
     return target
 
 
-def _import_built(path: Path) -> tuple[Any, Any]:
-    """The library at ``path``: its C functions (cffi) and the extension module it also is."""
-    spec = importlib.util.spec_from_file_location("_hostq", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return ffi.dlopen(str(path)), module
+def _open_built(path: Path, extension: bool) -> tuple[Any, Any] | None:
+    """The library built at ``path``: its C functions (cffi) and, with ``extension``, the
+    extension module it also is. None, with one warning per process, when it does not load or
+    lacks the queue's functions (the queues then run on the Python worker)."""
+    try:
+        module = None
+        if extension:
+            spec = importlib.util.spec_from_file_location("_hostq", path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"no loader for {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        lib = ffi.dlopen(str(path))
+        lib.hq_run  # noqa: B018 - fails here, not at the first launch, if the library is foreign
+        return lib, module
+    except (OSError, ImportError, AttributeError) as exc:
+        if not _open_warned:
+            _open_warned.append(True)
+            warnings.warn(
+                f"aiotinyrt: native queue library {path} cannot be loaded ({exc}); "
+                "queues run on the Python worker",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+
+
+_open_warned: list[bool] = []
 
 
 def _installed() -> tuple[Any, Any] | None:
@@ -208,13 +240,11 @@ def _build() -> tuple[Any, Any] | None:
         tag = ("asan-" if sanitize else "") + (sys.implementation.cache_tag or "py")
         digest = f'-DHQ_SOURCE_DIGEST="{source_digest()}"'
         path = _compile(cc, _PY_SOURCES, [*flags, digest, f"-I{include}"], tag)
-        if path is not None:
-            return _import_built(path)
+        built = None if path is None else _open_built(path, extension=True)
+        if built is not None:
+            return built
     path = _compile(cc, _RING_SOURCES, flags, "asan-c" if sanitize else "c")
-    if path is None:
-        return None
-    lib = ffi.dlopen(str(path))
-    return lib, None
+    return None if path is None else _open_built(path, extension=False)
 
 
 def load() -> Any:
