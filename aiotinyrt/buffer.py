@@ -430,6 +430,7 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
     await anyio.lowlevel.checkpoint_if_cancelled()
     device._check_open()
     src_dev = src.device_obj
+    src_dev._check_open()  # a closed device's memory is read by no copy, whatever the path
     dst_handle, src_handle = dest.handle(), src.handle()
     queue = device._copy_queue
     alloc = device.allocator

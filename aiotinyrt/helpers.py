@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import shlex
 import shutil
@@ -28,6 +29,36 @@ def getenv(key: str, default: int = 0) -> int:
 def getenv_str(key: str, default: str = "") -> str:
     """Read a string environment variable, or ``default`` when unset or empty."""
     return os.environ.get(key, "") or default
+
+
+def check_timeout(timeout: object) -> float:
+    """``timeout`` as float seconds: any real number but bool (negative: already expired,
+    ``inf``: no limit). ``TypeError`` for anything else, ``ValueError`` for NaN."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    seconds = float(timeout)
+    if math.isnan(seconds):
+        raise ValueError("timeout must not be NaN")
+    return seconds
+
+
+def env_wait_timeout() -> float | None:
+    """The default wait timeout in seconds from ``WAIT_TIMEOUT_MS`` (milliseconds, fractions
+    allowed); None when unset, empty, 0 or negative (no limit). ``ValueError`` naming the
+    variable when it is not a finite number."""
+    raw = os.environ.get("WAIT_TIMEOUT_MS", "")
+    if raw == "":
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not math.isfinite(ms):
+        raise ValueError(
+            f"environment variable WAIT_TIMEOUT_MS={raw!r} is not a finite number of milliseconds "
+            "(unset or 0: no limit)"
+        )
+    return ms / 1000 if ms > 0 else None
 
 
 def debug_level() -> int:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from aiotinyrt import hazards, native
 from aiotinyrt.buffer import Buffer
+from aiotinyrt.helpers import prod
 from aiotinyrt.kernel import Kernel
 from aiotinyrt.queue import HostQueue, Queue, capturing
 from aiotinyrt.registry import DeviceLike
@@ -42,6 +43,10 @@ class Program:
 
     #: Most int vals one launch may pass.
     MAX_VALS: ClassVar[int] = 64
+    #: Whether a raw (source, not rendered) kernel of this backend is launched over its global
+    #: size. Where False (CPU: a raw C function is called once and loops itself), a launch with
+    #: a global size of more than one item raises ``ValueError`` instead of ignoring it.
+    RAW_USES_GLOBAL_SIZE: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -192,6 +197,12 @@ class Program:
         if self.kernel is not None:
             return self._call_kernel(bufs, global_size, local_size, vals, wait_for, writes)
         gsz = global_size if global_size is _UNIT_SIZE else _check_size("global_size", global_size)
+        if not self.RAW_USES_GLOBAL_SIZE and gsz is not _UNIT_SIZE and prod(gsz) != 1:
+            raise ValueError(
+                f"raw C kernel {self.name!r} runs once per launch and loops itself; "
+                f"global_size={tuple(global_size)} would be ignored (launch it without global_size, or "
+                "render a Kernel to run over a global size)"
+            )
         lsz = None if local_size is None else _check_size("local_size", local_size)
         if vals or type(vals) is not tuple:
             vals = self._check_vals(vals)

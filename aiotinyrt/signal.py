@@ -57,7 +57,7 @@ import anyio
 import anyio.lowlevel
 
 from aiotinyrt import native
-from aiotinyrt.helpers import getenv
+from aiotinyrt.helpers import check_timeout, env_wait_timeout, getenv
 
 
 class DeviceError(RuntimeError):
@@ -396,15 +396,17 @@ class Signal:
     async def wait(self, timeout: float | None = None) -> float:
         """Wait until the command completes; return its device execution time in seconds.
 
-        ``timeout`` (seconds; default: env ``WAIT_TIMEOUT_MS``, unset = no limit) raises
-        :class:`TimeoutError` naming the device, the timeline and its completed and awaited
-        values. Raises :class:`DeviceError` if the command failed.
+        ``timeout`` (seconds, any real number: negative has expired, ``inf`` is no limit;
+        default: env ``WAIT_TIMEOUT_MS``, unset = no limit) raises :class:`TimeoutError` naming
+        the device, the timeline and its completed and awaited values. A NaN timeout is a
+        ``ValueError``, a non-number a ``TypeError``, raised before anything waits. Raises
+        :class:`DeviceError` if the command failed.
 
         Cancellation: cancelling the wait (or a timeout) abandons only the wait; the command keeps
         running to completion and every buffer it uses stays alive until it does. Always a
         checkpoint, even when the signal is already done.
         """
-        await self._settle(timeout)
+        await self._settle(None if timeout is None else check_timeout(timeout))
         return self.result()
 
     async def _settle(self, timeout: float | None = None) -> None:
@@ -421,8 +423,7 @@ class Signal:
             await anyio.lowlevel.checkpoint()
             return
         if timeout is None:  # (read only when there is something to wait for)
-            ms = getenv("WAIT_TIMEOUT_MS")
-            timeout = ms / 1000 if ms > 0 else None
+            timeout = env_wait_timeout()
         event = anyio.Event()
         waiter = timeline.add_waiter(value, _loop_waker(event.set))
         try:

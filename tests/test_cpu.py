@@ -80,11 +80,13 @@ async def test_buffers_are_passed_in_order_before_the_vals() -> None:
         await buf.free()
 
 
-async def test_raw_c_kernel_is_called_once_whatever_the_global_size() -> None:
+async def test_raw_c_kernel_is_called_once_and_refuses_a_global_size_it_would_ignore() -> None:
     dev = Device["CPU"]
     prog = await dev.program("inc", INC)
     out = await int_buffer("CPU")
-    await dev.run(prog, out, global_size=(16, 4, 2), local_size=(4, 1, 1))
+    with pytest.raises(ValueError, match="runs once per launch"):
+        prog(out, global_size=(16, 4, 2))
+    await dev.run(prog, out, global_size=(1, 1, 1), local_size=(4, 1, 1))
     assert (await out.numpy()).tolist() == [1]
     await out.free()
 

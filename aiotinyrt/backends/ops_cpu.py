@@ -172,6 +172,8 @@ def _unload(handle: int, fd: int) -> None:
 class CPUProgram(Program):
     """A shared object loaded from memory (memfd: no file is left behind) and called with cffi."""
 
+    RAW_USES_GLOBAL_SIZE = False  # a raw C kernel is called once and loops itself
+
     def __init__(
         self, device: Compiled, name: str, lib: bytes, *, src: str | None = None, kernel: Kernel | None = None
     ) -> None:
