@@ -296,3 +296,22 @@ async def test_a_damaged_compile_cache_entry_is_recompiled_with_one_warning(
         again = ClangCompiler(cc)
         assert await again.compile_cached(src) == good
         assert again.compiles == 0
+
+
+@pytest.mark.parametrize("loop", loops())
+def test_a_damaged_entry_costs_the_next_process_one_warning_and_the_one_after_none(
+    loop: str, tmp_path: Path, tmpdir_base: Path
+) -> None:
+    where = tmp_path / "cache"
+    src = fresh_inc()
+    first = run_script(loop, where / "cache.db", tmpdir_base, src)
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    assert damage_every_entry(where / "cache.db", "truncated") == 1
+    second = run_script(loop, where / "cache.db", tmpdir_base, src)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split() == ["result", "1", "native", "True"], second.stdout
+    lines = warning_lines(second.stderr)
+    assert len(lines) == 1 and "damaged" in lines[0], second.stderr
+    third = run_script(loop, where / "cache.db", tmpdir_base, src)
+    assert third.returncode == 0 and third.stderr == "", third.stderr
+    assert third.stdout.split() == ["result", "1", "native", "True"], third.stdout
