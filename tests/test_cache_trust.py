@@ -16,6 +16,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -315,3 +316,35 @@ def test_a_damaged_entry_costs_the_next_process_one_warning_and_the_one_after_no
     third = run_script(loop, where / "cache.db", tmpdir_base, src)
     assert third.returncode == 0 and third.stderr == "", third.stderr
     assert third.stdout.split() == ["result", "1", "native", "True"], third.stdout
+
+
+# ---- the fallback location is checked too -------------------------------------------------------
+
+
+@pytest.mark.parametrize("planted", ["dir of another uid", "symlink to a dir of ours", "group-writable dir"])
+def test_a_planted_fallback_directory_is_not_used(
+    planted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"aiotinyrt-{os.geteuid()}"
+    if planted == "dir of another uid":
+        shared.mkdir(mode=0o700)
+        os.chown(shared, OTHER_UID, OTHER_UID)
+    elif planted == "symlink to a dir of ours":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        shared.symlink_to(tmp_path / "elsewhere")
+    else:
+        shared.mkdir()
+        shared.chmod(0o777)
+    chosen = cachedir.fallback_dir()
+    assert chosen is not None and chosen != shared and chosen.resolve() != (tmp_path / "elsewhere")
+    assert stat.S_IMODE(chosen.stat().st_mode) == 0o700 and chosen.stat().st_uid == os.geteuid()
+
+
+def test_a_directory_others_can_write_is_refused_even_when_sticky(tmp_path: Path) -> None:
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # like /tmp: fine above a cache directory, not as one
+    assert cachedir.directory_refusal(sticky / "private") is None
+    assert stat.S_IMODE((sticky / "private").stat().st_mode) == 0o700
+    assert "writable by group or others" in (cachedir.directory_refusal(sticky) or "")
