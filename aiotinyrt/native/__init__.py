@@ -38,8 +38,9 @@ the compile cache (``CACHEDB``'s directory, else ``$XDG_CACHE_HOME/aiotinyrt``),
 checked like the compile cache (:mod:`aiotinyrt.cachedir`: private to the user, else a private
 fallback, with one warning); without a compiler, without any private location, with a library
 that does not load, or with ``NATIVE_QUEUE=0``, every queue runs on the pure-Python worker, which
-has the same semantics. Built with Python's headers (when present) the library is also a CPython extension
-module with two hot paths: ``push()`` and ``launch()``, the repeat launch of ``Program.__call__``.
+has the same semantics. Built with Python's headers (when present) the library is also a CPython
+extension module with two hot paths: ``push()`` and ``launch()``, the repeat launch of
+``Program.__call__``.
 """
 
 from __future__ import annotations
