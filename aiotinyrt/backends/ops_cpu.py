@@ -1,4 +1,5 @@
-"""CPU: C kernels compiled by clang (or gcc), loaded with cffi, run on host worker threads.
+"""CPU: C kernels compiled by clang (or gcc) to relocatable objects, loaded by
+:mod:`aiotinyrt.host` (no linker, no dlopen), called with cffi on host worker threads.
 
 Each ``CPU``/``CPU:N`` device has a compute queue and a copy queue, each with its own worker
 thread; cffi releases the GIL for the duration of every kernel and every copy. Kernels use
@@ -15,7 +16,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,28 +29,18 @@ from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
 from aiotinyrt.helpers import debug_level, find_cc, getenv
+from aiotinyrt.host import elf
 from aiotinyrt.kernel import ClangRenderer, Kernel, cpu_threads
 from aiotinyrt.program import Program
 
 _ffi = cffi.FFI()
 _ffi.cdef(
     """
-    void *dlopen(const char *filename, int flags);
-    void *dlsym(void *handle, const char *symbol);
-    char *dlerror(void);
-    int dlclose(void *handle);
     void *memcpy(void *dest, const void *src, size_t n);
     void *memmove(void *dest, const void *src, size_t n);
     """
 )
-try:
-    _libc: Any = _ffi.dlopen(None)
-    _libc.dlopen  # noqa: B018 - glibc >= 2.34 exports dlopen from libc itself
-except (OSError, AttributeError):
-    _libc = _ffi.dlopen("libdl.so.2")
-# resolve every symbol now: a lazy lookup of dlerror would clear the error it should report
-for _symbol in ("dlopen", "dlsym", "dlerror", "dlclose", "memcpy", "memmove"):
-    getattr(_libc, _symbol)
+_libc: Any = _ffi.dlopen(None)
 
 
 _MEMMOVE = int(_ffi.cast("uintptr_t", _libc.memmove))
@@ -74,21 +64,25 @@ def _native_memmove(dest: int, src: int, nbytes: int, keep: object) -> tuple[int
     return _MEMMOVE, 3, int(native.ffi.cast("uintptr_t", block)), (block, keep)
 
 
-def _dlerror() -> str:
-    message = _libc.dlerror()
-    return "unknown loader error" if message == _ffi.NULL else _ffi.string(message).decode(errors="replace")
-
-
-_RTLD_NOW = 2
-
-
 class ClangCompiler(Compiler):
-    """C source to a shared object, by the system C compiler run as a subprocess."""
+    """C source to a relocatable ELF object, by the system C compiler run as a subprocess (no
+    linker: :mod:`aiotinyrt.host.elf` loads the object)."""
 
-    FLAGS = ("-O2", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+    #: ``-c`` and freestanding: no link step, no startup code; ``-fPIC`` so code and data reach
+    #: each other PC-relative wherever the loader puts them; no unwind tables (nothing reads them).
+    FLAGS = (
+        "-c",
+        "-O2",
+        "-march=native",
+        "-fPIC",
+        "-ffreestanding",
+        "-fno-math-errno",
+        "-fno-ident",
+        "-fno-asynchronous-unwind-tables",
+    )
 
     def __init__(self, cc: list[str]) -> None:
-        super().__init__("compile_cpu")
+        super().__init__("compile_cpu_obj")  # the identity says "object": no shared object is ever loaded
         self.cc = cc
 
     async def identity(self) -> str:
@@ -99,10 +93,11 @@ class ClangCompiler(Compiler):
         result = await anyio.run_process([*self.cc, "--version"], check=False)
         banner = result.stdout.decode(errors="replace").splitlines()[:1]
         cpu = await anyio.to_thread.run_sync(_cpu_model)
-        return "|".join([*self.cc, *banner, *self.FLAGS, platform.machine(), cpu])
+        return "|".join(["elf-relocatable", *self.cc, *banner, *self.FLAGS, platform.machine(), cpu])
 
     async def compile(self, src: str) -> bytes:
-        """Compile C source with ``cc -O2 -march=native -fPIC -shared`` in a subprocess.
+        """Compile C source to an object with ``cc -c -O2 -march=native -fPIC -ffreestanding``
+        in a subprocess.
 
         Raises ``CompileError`` with the compiler's diagnostics on failure, when the compiler is
         killed, or after ``COMPILE_TIMEOUT_S`` seconds (default 120).
@@ -115,8 +110,8 @@ class ClangCompiler(Compiler):
         # into a broken pipe on our side
         tmp = await anyio.to_thread.run_sync(_write_source, src)
         try:
-            out = os.path.join(tmp, "kernel.so")
-            argv = [*self.cc, *self.FLAGS, "-x", "c", os.path.join(tmp, "kernel.c"), "-o", out, "-lm"]
+            out = os.path.join(tmp, "kernel.o")
+            argv = [*self.cc, *self.FLAGS, "-x", "c", os.path.join(tmp, "kernel.c"), "-o", out]
             limit = compile_timeout()
             try:
                 with anyio.fail_after(limit):
@@ -137,14 +132,14 @@ class ClangCompiler(Compiler):
                 await anyio.to_thread.run_sync(shutil.rmtree, tmp, True)
 
     def disassemble(self, lib: bytes) -> str:
-        """objdump -d of the shared object (blocking; call it from a thread in async code)."""
+        """objdump -d of the object, relocations shown (blocking; call it from a thread in async code)."""
         objdump = shutil.which("objdump") or shutil.which("llvm-objdump")
         if objdump is None:
             raise RuntimeError("disassemble needs objdump (apt-get install -y binutils)")
-        with tempfile.NamedTemporaryFile(suffix=".so") as f:
+        with tempfile.NamedTemporaryFile(suffix=".o") as f:
             f.write(lib)
             f.flush()
-            return subprocess.run([objdump, "-d", f.name], capture_output=True, text=True, check=True).stdout
+            return subprocess.run([objdump, "-dr", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def _write_source(src: str) -> str:
@@ -164,13 +159,12 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _unload(handle: int, fd: int) -> None:
-    _libc.dlclose(_ffi.cast("void *", handle))
-    os.close(fd)
-
-
 class CPUProgram(Program):
-    """A shared object loaded from memory (memfd: no file is left behind) and called with cffi."""
+    """A relocatable object loaded by :func:`aiotinyrt.host.elf.load` and called with cffi.
+
+    The loaded object (``image``) returns its memory to the arena when it is collected; queued
+    launches hold the Program, and so the image, until they ran.
+    """
 
     RAW_USES_GLOBAL_SIZE = False  # a raw C kernel is called once and loops itself
 
@@ -178,29 +172,17 @@ class CPUProgram(Program):
         self, device: Compiled, name: str, lib: bytes, *, src: str | None = None, kernel: Kernel | None = None
     ) -> None:
         super().__init__(device, name, lib, src=src, kernel=kernel)
-        fd = os.memfd_create(f"aiotinyrt-{name}", os.MFD_CLOEXEC)
+        #: The loaded object: its code and data, alive as long as the Program.
         try:
-            view = memoryview(self.lib)
-            while view:
-                view = view[os.write(fd, view) :]
-            # the fd stays open while the library is loaded: glibc matches dlopen paths by
-            # name, and a reused /proc/self/fd/N would otherwise return an older library
-            handle = _libc.dlopen(f"/proc/self/fd/{fd}".encode(), _RTLD_NOW)
-            if handle == _ffi.NULL:
-                raise ValueError(f"cannot load {name!r}: {_dlerror()}")
-        except BaseException:
-            os.close(fd)
-            raise
-        addr = _libc.dlsym(handle, name.encode())
-        if addr == _ffi.NULL:
-            _libc.dlclose(handle)
-            os.close(fd)
+            self.image = elf.load(self.lib)
+        except CompileError as exc:
+            raise elf.LoadError(f"cannot load {name!r}: {exc}", exc.diagnostics) from None
+        addr = self.image.symbols.get(name)
+        if addr is None:
             raise ValueError(f"the binary has no function named {name!r}")
-        # not at exit: a worker may still be running this kernel while the interpreter finalizes
-        weakref.finalize(self, _unload, int(_ffi.cast("uintptr_t", handle)), fd).atexit = False
         self._addr = _ffi.cast("void *", addr)
         self._fns: dict[tuple[int, int], Any] = {}
-        self._native_fn = int(_ffi.cast("uintptr_t", addr))
+        self._native_fn = addr
 
     def function(self, nbufs: int, nvals: int) -> Any:
         """The kernel as a cffi function pointer taking ``nbufs`` addresses and ``nvals`` ints."""
@@ -222,7 +204,7 @@ class CPUProgram(Program):
         if len(args) > native.MAX_ARGS:
             return None
         block = native.ffi.new("uint64_t[]", args or [0])
-        return self._native_fn, len(args), int(native.ffi.cast("uintptr_t", block)), block
+        return self._native_fn, len(args), int(native.ffi.cast("uintptr_t", block)), (block, self.image)
 
     def _launcher(
         self,
