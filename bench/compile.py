@@ -18,7 +18,13 @@ known):
 5. an elementwise ``Kernel`` over 64 Mi floats: ``await prog(...)`` of ``dev.program(kernel)``
    on a device limited to one thread (``CPU_THREADS=1``), then on the default device, which
    splits it across every core with the ``core_id, core_count`` convention (target ≥ 1.7×);
-   the same binary called through cffi from Python threads is the reference.
+   the same binary called through cffi from Python threads is the reference;
+6. program load: ``dev.program()`` cold (compile + load, target ≤ 1.0× tinygrad's
+   ``ClangCompiler.compile`` + ``CPUProgram``), loading alone (``dev.runtime()`` of a compiled
+   object, target ≤ 0.3 ms; the ELF loader by itself; the shared-object loading the CPU device
+   used before objects — memfd + ``dlopen`` + ``dlsym`` — and tinygrad's ``CPUProgram``), the
+   loader's parse step next to pyelftools' (where installed), and ``/proc/self/maps`` entries
+   added by 1,000 loaded programs (target ≤ 20, one per 50 programs).
 
 The compile caches live in a temporary directory (``CACHEDB``), never in ~/.cache.
 """
@@ -30,6 +36,7 @@ import atexit
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -48,11 +55,15 @@ from _samples import Samples  # noqa: E402  (bench/ is sys.path[0])
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 from aiotinyrt.compiler import Compiler  # noqa: E402
+from aiotinyrt.host import elf  # noqa: E402
 from aiotinyrt.kernel import BufferParam, ClangRenderer, IntParam, Kernel, cpu_threads  # noqa: E402
 
 TARGET_CONCURRENT_X = 1.7
 TARGET_HIT_US = 5.0
 TARGET_THREADS_X = 1.7
+TARGET_COLD_VS_TG = 1.0
+TARGET_LOAD_MS = 0.3
+TARGET_MAPS_PER_1000 = 20
 MI = 1 << 20
 
 
@@ -104,6 +115,31 @@ def tinygrad_rep(tg: Any, nonce: str, out: Samples) -> None:
     for s in srcs:
         tg.compile(s)
     out.add("tg_seq16", (time.perf_counter() - start) * 1e3)
+    from tinygrad.device import Device as TgDevice
+    from tinygrad.device import TinyELF
+    from tinygrad.runtime.ops_cpu import CPUProgram as TgCPUProgram
+
+    tg_dev: Any = TgDevice["CPU"]
+    src = compile_kernel(f"tgload{nonce}", 0)
+    start = time.perf_counter()
+    lib = tg.compile(src)
+    TgCPUProgram(tg_dev, TinyELF(lib, f"k_tgload{nonce}_0", tg_dev.renderer.target, ()))
+    end = time.perf_counter()
+    out.add("tg_cold_load", (end - start) * 1e3)
+    out.add(
+        "tg_load",
+        _per_call_ms(
+            lambda: TgCPUProgram(tg_dev, TinyELF(lib, f"k_tgload{nonce}_0", tg_dev.renderer.target, ())), 200
+        ),
+    )
+    if "tg_maps" not in out.values:
+        before = _mappings()
+        kept = [
+            TgCPUProgram(tg_dev, TinyELF(lib, f"k_tgload{nonce}_0", tg_dev.renderer.target, ()))
+            for _ in range(1000)
+        ]
+        out.add("tg_maps", _mappings() - before)
+        del kept
     hit = compile_kernel(f"tghit{nonce}", 0)
     tg.compile_cached(hit)  # miss: compiles and stores in tinygrad's sqlite cache
     n = 2000
@@ -125,6 +161,11 @@ async def compile_suite(backend: str, nonce: str, out: Samples, hits: int) -> No
     start = time.perf_counter()
     await compiler.compile_cached(src)
     out.add(f"cold/{backend}", (time.perf_counter() - start) * 1e3)
+
+    src = compile_kernel(f"prog{nonce}{backend}", 0)
+    start = time.perf_counter()
+    await dev.program(f"k_prog{nonce}{backend}_0", src)
+    out.add(f"cold_program/{backend}", (time.perf_counter() - start) * 1e3)
 
     srcs = [compile_kernel(f"seq{nonce}{backend}", i) for i in range(16)]
     start = time.perf_counter()
@@ -188,8 +229,10 @@ async def threads_suite(n: int, reps: int, out: Samples) -> None:
     # the reference: the same binary, loaded with cffi and called from Python threads
     lib = await dev.compiler.compile_cached(ClangRenderer().render(ELEMENTWISE))
     path = os.path.join(_TMP, "elementwise.so")
-    with open(path, "wb") as f:
+    with open(path + ".o", "wb") as f:
         f.write(lib)
+    cc = list(getattr(dev.compiler, "cc", ["cc"]))
+    await anyio.run_process([*cc, "-shared", path + ".o", "-o", path, "-lm"])  # the same code, linked
     ffi = cffi.FFI()
     ffi.cdef(f"void {ELEMENTWISE.name}(void *, void *, int, int, int, int, int);")
     fn: Callable[..., None] = getattr(ffi.dlopen(path), ELEMENTWISE.name)
@@ -222,6 +265,93 @@ async def threads_suite(n: int, reps: int, out: Samples) -> None:
         for b in pair:
             await b.free()
     await single.aclose()
+
+
+# ---- program loading -----------------------------------------------------------------------------
+
+_ffi = cffi.FFI()
+_ffi.cdef("void *dlopen(const char *, int); void *dlsym(void *, const char *); int dlclose(void *);")
+_dl: Any = _ffi.dlopen(None)
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _dlopen_load(so: bytes, name: str) -> tuple[Any, int]:
+    """Shared-object loading as the CPU device did it before objects: memfd, dlopen, dlsym."""
+    fd = os.memfd_create("bench", os.MFD_CLOEXEC)
+    os.write(fd, so)
+    handle = _dl.dlopen(f"/proc/self/fd/{fd}".encode(), 2)
+    assert handle != _ffi.NULL and _dl.dlsym(handle, name.encode()) != _ffi.NULL
+    return handle, fd
+
+
+def _dlopen_unload(loaded: tuple[Any, int]) -> None:
+    _dl.dlclose(loaded[0])
+    os.close(loaded[1])
+
+
+def _per_call_ms(fn: Callable[[], object], n: int) -> float:
+    """The median of ``n`` calls' wall times (a median: on a shared machine a mean is mostly the
+    other processes' time slices)."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+async def load_suite(nonce: str, out: Samples) -> None:
+    """Loading a compiled kernel: the object loader against shared-object loading, and the
+    mappings 1,000 loaded programs add."""
+    dev = Device["CPU"]
+    name = f"k_load{nonce}_0"
+    src = compile_kernel(f"load{nonce}", 0)
+    lib = await dev.compiler.compile_cached(src)
+    cc = list(getattr(dev.compiler, "cc", ["cc"]))
+    path = os.path.join(_TMP, "load.c")
+    with open(path, "w") as f:
+        f.write(src)
+    flags = ["-O2", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
+    await anyio.run_process([*cc, *flags, "-x", "c", path, "-o", path + ".so", "-lm"])
+    with open(path + ".so", "rb") as f:
+        so = f.read()
+    n = 200
+    out.add("load_runtime", _per_call_ms(lambda: dev.runtime(name, lib), n))
+    out.add("load_elf", _per_call_ms(lambda: elf.load(lib), n))
+    out.add("load_dlopen", _per_call_ms(lambda: _dlopen_unload(_dlopen_load(so, name)), n))
+    out.add("parse_struct", _per_call_ms(lambda: elf.parse(lib), n))
+    try:
+        from elftools.elf.elffile import ELFFile  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        import io
+
+        def pyelftools_parse() -> None:
+            f = ELFFile(io.BytesIO(lib))
+            for section in f.iter_sections():
+                if section["sh_type"] == "SHT_RELA":
+                    list(section.iter_relocations())
+                elif section["sh_type"] == "SHT_SYMTAB":
+                    list(section.iter_symbols())
+                elif section["sh_flags"] & 2:
+                    section.data()
+
+        out.add("parse_pyelftools", _per_call_ms(pyelftools_parse, n))
+    if "maps_object" not in out.values:  # once: the count does not vary
+        before = _mappings()
+        kept: list[Any] = [dev.runtime(name, lib) for _ in range(1000)]
+        out.add("maps_object", _mappings() - before)
+        del kept
+        before = _mappings()
+        handles = [_dlopen_load(so, name) for _ in range(1000)]
+        out.add("maps_dlopen", _mappings() - before)
+        for h in handles:
+            _dlopen_unload(h)
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -327,6 +457,72 @@ def report(s: Samples, n: int, tg_label: str, reps: int, load: tuple[float, floa
             "ref",
         )
     )
+    tg_cold = m("tg_cold_load")
+    cold = [m(f"cold_program/{b}") for b in loops]
+    rows.append(
+        (
+            "6. cold dev.program(): compile + load, one kernel",
+            "ms",
+            *[fmt(v, 1) for v in cold],
+            f"≤ {TARGET_COLD_VS_TG}× tg",
+            verdict(
+                [None if v is None or tg_cold is None else v / tg_cold for v in cold],
+                lambda r: r <= TARGET_COLD_VS_TG,
+            ),
+        )
+    )
+    rows.append(
+        (f"   {tg_label}: ClangCompiler.compile + CPUProgram", "ms", fmt(tg_cold, 1), "(sync)", "—", "ref")
+    )
+    load_ms = m("load_runtime")
+    rows.append(
+        (
+            "   load alone: dev.runtime() of a compiled object (loop thread)",
+            "ms",
+            fmt(load_ms, 3),
+            "",
+            f"≤ {TARGET_LOAD_MS}",
+            verdict([load_ms], lambda v: v <= TARGET_LOAD_MS),
+        )
+    )
+    rows.append(
+        ("   the ELF loader alone (parse, relocate, place)", "ms", fmt(m("load_elf"), 3), "", "—", "")
+    )
+    rows.append(
+        ("   shared object as before: memfd + dlopen + dlsym", "ms", fmt(m("load_dlopen"), 3), "", "—", "ref")
+    )
+    rows.append((f"   {tg_label}: CPUProgram load", "ms", fmt(m("tg_load"), 3), "", "—", "ref"))
+    rows.append(
+        (
+            "   parse step: struct reader / pyelftools",
+            "ms",
+            f"{fmt(m('parse_struct'), 3)} / {fmt(m('parse_pyelftools'), 3)}",
+            "",
+            "—",
+            "ref",
+        )
+    )
+    maps = m("maps_object")
+    rows.append(
+        (
+            "   /proc/self/maps entries added by 1,000 loaded programs",
+            "entries",
+            fmt(maps, 0),
+            "",
+            f"≤ {TARGET_MAPS_PER_1000}",
+            verdict([maps], lambda v: v <= TARGET_MAPS_PER_1000),
+        )
+    )
+    rows.append(
+        (
+            f"   the same, shared objects (dlopen) / {tg_label} CPUProgram",
+            "entries",
+            f"{fmt(m('maps_dlopen'), 0)} / {fmt(m('tg_maps'), 0)}",
+            "",
+            "—",
+            "ref",
+        )
+    )
     header = ("measurement", "unit", "asyncio", "trio", "target", "verdict")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
@@ -356,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tinygrad_rep(tg, nonce, samples)
         anyio.run(compile_suite, "asyncio", nonce, samples, hits, backend="asyncio")
         anyio.run(compile_suite, "trio", nonce, samples, hits, backend="trio")
+        anyio.run(load_suite, nonce, samples)
     anyio.run(threads_suite, n, reps, samples)
     print(report(samples, n, tg_label, reps, (load_start, os.getloadavg()[0])))
     return 0

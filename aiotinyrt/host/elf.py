@@ -20,7 +20,6 @@ import platform
 import struct
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from aiotinyrt.compiler import CompileError
@@ -83,11 +82,10 @@ class LoadError(CompileError, ValueError):
     and a ``ValueError`` (bad input to ``Compiled.runtime``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Section:
+class Section(NamedTuple):
     """An allocated section of the object: where its bytes are and which block it goes to."""
 
-    index: int
+    number: int  # the section header index
     name: str
     block: str  # "code" (text, read-only data) or "data" (writable data, bss)
     size: int
@@ -106,8 +104,7 @@ class Symbol(NamedTuple):
     kind: int
 
 
-@dataclass(frozen=True, slots=True)
-class ElfObject:
+class ElfObject(NamedTuple):
     """A parsed relocatable object: machine, allocated sections, symbols and relocations
     (``(section index, offset, type, symbol index, addend)`` for every loaded section)."""
 
@@ -203,8 +200,7 @@ def _align(value: int, align: int) -> int:
     return (value + align - 1) & -align
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
+class Layout(NamedTuple):
     """Where each section, GOT slot and stub goes, as offsets into the code and data blocks."""
 
     code_size: int
@@ -227,7 +223,7 @@ def plan(obj: ElfObject) -> Layout:
     )
     for section in ordered:
         at = _align(sizes[section.block], section.align)
-        offsets[section.index] = (section.block, at)
+        offsets[section.number] = (section.block, at)
         sizes[section.block] = at + section.size
         if section.block == "data":
             data_align = max(data_align, section.align)
