@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, CompileError, Device, dtypes
-from aiotinyrt.backends.ops_cpu import ClangCompiler, CPUProgram, find_cc
+from aiotinyrt.backends.ops_cpu import ClangCompiler, CPUProgram
+from aiotinyrt.helpers import find_cc
 from aiotinyrt.host import arena, elf
 from aiotinyrt.renderer import ClangRenderer
 from tests.test_renderer import CASES, run_cpu
