@@ -156,25 +156,23 @@ def parse_images(payload: object, max_images: int) -> tuple[array[float], int]:
 
 # ---- the two synchronous baselines (bench/server.py) ------------------------------------------
 class BlockingModel:
-    """The pipeline's own compiled kernels (the same shared object, loaded here with cffi) and
+    """The pipeline's own compiled kernels (the same loaded code, called here with cffi) and
     weights, called synchronously on the event loop thread: what a server that ignores the
     runtime's queues would do. Host memory only (the binaries are CPU code)."""
 
-    CDEF = """
-    void dense_relu(float *out, const float *x, const float *w, const float *b,
-                    int rows, int n_in, int n_out);
-    void dense_softmax(float *probs, int *classes, const float *x, const float *w, const float *b,
-                       int rows, int n_in, int n_out);
-    """
+    RELU = "void (*)(float *, const float *, const float *, const float *, int, int, int)"
+    SOFTMAX = "void (*)(float *, int *, const float *, const float *, const float *, int, int, int)"
 
-    def __init__(self, lib: bytes, layers: list[tuple[Layer, array[float], array[float]]]) -> None:
+    def __init__(
+        self, programs: tuple[Any, Any], layers: list[tuple[Layer, array[float], array[float]]]
+    ) -> None:
         import cffi
 
         self.ffi = cffi.FFI()
-        self.ffi.cdef(self.CDEF)
-        self._fd = os.memfd_create("blocking-mlp", os.MFD_CLOEXEC)
-        os.write(self._fd, lib)
-        self.lib: Any = self.ffi.dlopen(f"/proc/self/fd/{self._fd}")
+        self._programs: tuple[Any, ...] = programs  # they own the code the pointers below call
+        relu, softmax = programs
+        self.dense_relu: Any = self.ffi.cast(self.RELU, relu.image.symbols["dense_relu"])
+        self.dense_softmax: Any = self.ffi.cast(self.SOFTMAX, softmax.image.symbols["dense_softmax"])
         self.layers = layers  #: (layer, packed weights, bias), host copies
 
     @classmethod
@@ -184,10 +182,11 @@ class BlockingModel:
             for layer, (w, b) in zip(stage.layers, stage.weights, strict=True):
                 weights = array("f", (await w.as_memoryview()).cast("f"))
                 layers.append((layer, weights, array("f", (await b.as_memoryview()).cast("f"))))
-        return cls(pipeline.stages[0].dense_relu.lib, layers)
+        stage = pipeline.stages[0]
+        return cls((stage.dense_relu, stage.dense_softmax), layers)
 
     def infer(self, pixels: array[float], rows: int) -> Result:
-        ffi, lib = self.ffi, self.lib
+        ffi = self.ffi
         x = pixels
         for i, (layer, w, b) in enumerate(self.layers):
             out = array("f", bytes(4 * rows * layer.n_out))
@@ -199,17 +198,16 @@ class BlockingModel:
             dims = (rows, layer.n_in, layer.n_out)
             if i == len(self.layers) - 1:
                 classes = array("i", bytes(4 * rows))
-                lib.dense_softmax(
+                self.dense_softmax(
                     ffi.from_buffer("float[]", out), ffi.from_buffer("int[]", classes), *args, *dims
                 )
                 return Result(out, classes)
-            lib.dense_relu(ffi.from_buffer("float[]", out), *args, *dims)
+            self.dense_relu(ffi.from_buffer("float[]", out), *args, *dims)
             x = out
         raise AssertionError("the model has no layers")
 
     def close(self) -> None:
-        self.ffi.dlclose(self.lib)
-        os.close(self._fd)
+        self._programs = ()
 
 
 class NumpyModel:
