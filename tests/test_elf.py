@@ -467,3 +467,29 @@ def test_aarch64_relocations_point_at_their_symbols(tmp_path: Path) -> None:
         == data_base + layout.offsets[next(s.number for s in obj.sections.values() if s.name == ".data")][1]
     )
     assert len(data) == layout.data_size
+
+
+async def test_damaged_objects_load_or_raise_compile_error_never_anything_else() -> None:
+    import random
+
+    dev = Device["CPU"]
+    good = await dev.compiler.compile_cached(
+        "#include <math.h>\nint g;\nstatic const float t[4] = {1, 2, 3, 4};\n"
+        "void k(float *o, int i) { o[0] = expf(t[i & 3]) + (float)++g; }\n"
+    )
+    rng = random.Random(19)
+    damaged = [good[:n] for n in range(0, len(good), 7)]
+    for _ in range(300):
+        blob = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        damaged.append(bytes(blob))
+    outcomes = {"loaded": 0, "refused": 0}
+    for blob in damaged:
+        try:
+            elf.load(blob)  # loaded, never run: a flipped code byte is the compiler's business
+        except CompileError:
+            outcomes["refused"] += 1
+        else:
+            outcomes["loaded"] += 1
+    assert outcomes["refused"] > len(good) // 7  # at least every truncation

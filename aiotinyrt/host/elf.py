@@ -37,6 +37,9 @@ _SHF_WRITE, _SHF_ALLOC, _SHF_EXECINSTR, _SHF_TLS = 0x1, 0x2, 0x4, 0x400
 _SHN_UNDEF, _SHN_ABS, _SHN_COMMON = 0, 0xFFF1, 0xFFF2
 _STB_LOCAL, _STB_WEAK = 0, 2
 
+#: The largest section (in practice: ``.bss``) the loader places.
+MAX_SECTION_BYTES = 1 << 30
+PAGE_ALIGN = 1 << 16  # the largest alignment of a common symbol
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
 _SYM = struct.Struct("<IBBHQQ")
@@ -134,7 +137,7 @@ def parse(blob: bytes) -> ElfObject:
         raise CompileError("not an ELF object (no \\x7fELF magic)")
     try:
         return _parse(blob)
-    except (struct.error, IndexError) as exc:
+    except (struct.error, IndexError, ValueError) as exc:  # ValueError: a name that is not UTF-8
         raise CompileError(f"truncated or malformed ELF object ({exc})") from None
 
 
@@ -174,6 +177,10 @@ def _parse(blob: bytes) -> ElfObject:
             continue  # unwind tables are not registered: nothing reads them
         if stype == _SHT_PROGBITS and offset + size > len(blob):
             raise CompileError(f"section {name} runs past the end of the object")
+        if size > MAX_SECTION_BYTES or align > MAX_SECTION_BYTES:
+            raise CompileError(f"section {name} is {size} bytes (at most {MAX_SECTION_BYTES} are loaded)")
+        if align & (align - 1):
+            raise CompileError(f"section {name} has an alignment ({align}) that is not a power of two")
         block = "data" if flags & _SHF_WRITE or stype == _SHT_NOBITS else "code"
         data = blob[offset : offset + size] if stype == _SHT_PROGBITS else None
         sections[i] = Section(i, name, block, size, max(align, 1), data)
@@ -193,6 +200,8 @@ def _parse(blob: bytes) -> ElfObject:
             continue  # relocations of a section that is not loaded (.eh_frame, debug info)
         for r_offset, r_info, addend in _RELA.iter_unpack(blob[offset : offset + size]):
             relocations.append((target, r_offset, r_info & 0xFFFFFFFF, r_info >> 32, addend))
+    if any(r[3] >= len(symbols) for r in relocations):
+        raise CompileError("a relocation names a symbol the symbol table does not have")
     return ElfObject(machine, sections, symbols, relocations)
 
 
@@ -230,6 +239,8 @@ def plan(obj: ElfObject) -> Layout:
     commons: dict[int, int] = {}
     for i, sym in enumerate(obj.symbols):
         if sym.shndx == _SHN_COMMON:  # st_value is the alignment
+            if sym.size > MAX_SECTION_BYTES or not 0 < sym.value <= PAGE_ALIGN or sym.value & (sym.value - 1):
+                raise CompileError(f"common symbol {sym.name!r} has size {sym.size}, alignment {sym.value}")
             at = _align(sizes["data"], max(sym.value, 1))
             commons[i] = at
             sizes["data"] = at + sym.size
@@ -249,6 +260,8 @@ def plan(obj: ElfObject) -> Layout:
     for sym_index in stubs:
         stubs[sym_index] = at
         at += _STUB_SIZE
+    if at > 2 * MAX_SECTION_BYTES or sizes["data"] > 2 * MAX_SECTION_BYTES:
+        raise CompileError(f"the object needs {at} bytes of code and {sizes['data']} of data: too many")
     return Layout(at, sizes["data"], data_align, offsets, commons, got, stubs)
 
 
