@@ -9,6 +9,7 @@ cross-compiled object at a chosen address and disassembling the result with llvm
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import struct
@@ -356,6 +357,25 @@ def test_a_release_from_a_collector_callback_inside_allocate_is_applied_later() 
     assert pool.statistics() == (1, 0)
 
 
+async def test_a_refused_mapping_raises_memory_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vm.max_map_count exhausted looks like to the loader: mmap fails with ENOMEM."""
+    lib = await Device["CPU"].compiler.compile_cached("void k(int *o) { o[0] = 1; }")
+    real = arena._mm
+
+    class Refusing:
+        def mmap(self, *args: Any) -> Any:
+            return arena._ffi.cast("void *", -1)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    monkeypatch.setattr(arena, "_mm", Refusing())
+    pool = arena.ArenaPool()
+    with pytest.raises(MemoryError, match="cannot map"):
+        elf.load(lib, pool=pool)
+    assert pool.statistics() == (0, 0)
+
+
 MAPPINGS_PROGRAM = textwrap.dedent(
     """
     import struct, anyio
@@ -470,8 +490,6 @@ def test_aarch64_relocations_point_at_their_symbols(tmp_path: Path) -> None:
 
 
 async def test_damaged_objects_load_or_raise_compile_error_never_anything_else() -> None:
-    import random
-
     dev = Device["CPU"]
     good = await dev.compiler.compile_cached(
         "#include <math.h>\nint g;\nstatic const float t[4] = {1, 2, 3, 4};\n"
@@ -480,10 +498,10 @@ async def test_damaged_objects_load_or_raise_compile_error_never_anything_else()
     rng = random.Random(19)
     damaged = [good[:n] for n in range(0, len(good), 7)]
     for _ in range(300):
-        blob = bytearray(good)
+        flipped = bytearray(good)
         for _ in range(rng.randint(1, 4)):
-            blob[rng.randrange(len(blob))] = rng.randrange(256)
-        damaged.append(bytes(blob))
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        damaged.append(bytes(flipped))
     outcomes = {"loaded": 0, "refused": 0}
     for blob in damaged:
         try:
