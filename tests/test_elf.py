@@ -85,6 +85,20 @@ async def test_disassemble_is_objdump_of_the_object_with_its_relocations() -> No
     assert "<k>:" in text and "expf" in text and "R_" in text
 
 
+async def test_math_h_functions_in_raw_c_stay_compiler_builtins() -> None:
+    """As with the shared object: sqrtf, fabsf and floorf become instructions (and the loop can
+    vectorize), not calls into libm, which -ffreestanding (implying -fno-builtin) would make them."""
+    dev = Device["CPU"]
+    src = (
+        "#include <math.h>\n"
+        "void k(float *restrict o, const float *restrict x, int n) {\n"
+        "  for (int i = 0; i < n; i++) o[i] = sqrtf(fabsf(x[i])) + floorf(x[i]);\n"
+        "}\n"
+    )
+    prog = await dev.program("k", src)
+    assert not {"sqrtf", "fabsf", "floorf"} & undefined_symbols(prog.lib)
+
+
 # ---- kernels that use what a linker used to resolve --------------------------------------------------
 
 

@@ -68,14 +68,15 @@ class ClangCompiler(Compiler):
     """C source to a relocatable ELF object, by the system C compiler run as a subprocess (no
     linker: :mod:`aiotinyrt.host.elf` loads the object)."""
 
-    #: ``-c`` and freestanding: no link step, no startup code; ``-fPIC`` so code and data reach
-    #: each other PC-relative wherever the loader puts them; no unwind tables (nothing reads them).
+    #: ``-c``: no link step and no startup code; ``-fPIC`` so code and data reach each other
+    #: PC-relative wherever the loader puts them; no unwind tables (nothing reads them). Not
+    #: ``-ffreestanding``: it implies ``-fno-builtin``, which turns raw C's ``sqrtf``/``fabsf``
+    #: into libm calls and stops such loops vectorizing (20x slower, see docs/architecture.md).
     FLAGS = (
         "-c",
         "-O2",
         "-march=native",
         "-fPIC",
-        "-ffreestanding",
         "-fno-math-errno",
         "-fno-ident",
         "-fno-asynchronous-unwind-tables",
@@ -96,8 +97,7 @@ class ClangCompiler(Compiler):
         return "|".join(["elf-relocatable", *self.cc, *banner, *self.FLAGS, platform.machine(), cpu])
 
     async def compile(self, src: str) -> bytes:
-        """Compile C source to an object with ``cc -c -O2 -march=native -fPIC -ffreestanding``
-        in a subprocess.
+        """Compile C source to an object with ``cc -c -O2 -march=native -fPIC`` in a subprocess.
 
         Raises ``CompileError`` with the compiler's diagnostics on failure, when the compiler is
         killed, or after ``COMPILE_TIMEOUT_S`` seconds (default 120).
