@@ -20,7 +20,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import cffi
 import numpy as np
 import pytest
 
@@ -28,8 +27,6 @@ from aiotinyrt import Buffer, CompileError, Device, dtypes
 from aiotinyrt.backends.ops_cpu import ClangCompiler, CPUProgram
 from aiotinyrt.helpers import find_cc
 from aiotinyrt.host import arena, elf
-from aiotinyrt.renderer import ClangRenderer
-from tests.test_renderer import CASES, run_cpu
 
 pytestmark = pytest.mark.anyio
 
@@ -225,29 +222,6 @@ async def test_a_large_kernel_and_an_object_larger_than_an_arena_run() -> None:
     xs, outs = await floats(np.ones(7)), await floats(np.zeros(7))
     await dev.run(prog, outs, xs, vals=(7, 0))
     assert np.isfinite(await outs.numpy()).all()
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.kernel.name for c in CASES])
-async def test_rendered_kernels_give_the_bytes_the_shared_object_gave(case: Any, tmp_path: Path) -> None:
-    """Every renderer test kernel, run from the loaded object and from a shared object built with
-    the previous flags (cc -shared, dlopen): the same bytes."""
-    got = await run_cpu(case.kernel, case.global_size, case.make_inputs(), case.vals)
-    cc = find_cc()
-    assert cc is not None
-    src = ClangRenderer().render(case.kernel)
-    so = tmp_path / "k.so"
-    (tmp_path / "k.c").write_text(src)
-    flags = ["-O2", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
-    subprocess.run([*cc, *flags, "-x", "c", str(tmp_path / "k.c"), "-o", str(so), "-lm"], check=True)
-    arrays = [np.ascontiguousarray(a) for a in case.make_inputs()]
-    launch = case.kernel.launch_vals(case.vals, case.global_size)
-    params = ", ".join(["void *"] * len(arrays) + ["int"] * (len(launch) + 2))
-    ffi = cffi.FFI()
-    ffi.cdef(f"void {case.kernel.name}({params});")
-    fn = getattr(ffi.dlopen(str(so)), case.kernel.name)
-    fn(*[ffi.from_buffer(a) for a in arrays], *launch, 0, 1)
-    for i, (a, b) in enumerate(zip(got, arrays, strict=True)):
-        assert a.tobytes() == b.tobytes(), f"buffer {i}: {a[:6]} != {b[:6]}"
 
 
 # ---- bad objects: a CompileError that names the problem ----------------------------------------------

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cffi
 import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, Device, dtypes, open_device
 from aiotinyrt.dtype import ALL_DTYPES, DType
+from aiotinyrt.helpers import find_cc
 from aiotinyrt.kernel import (
     BufferParam,
     ClangRenderer,
@@ -961,6 +963,32 @@ async def test_opencl_output_builds_and_matches_the_cpu(
             assert got.tobytes() == want.tobytes(), f"buffer {i}: {got[:6]} != {want[:6]}"
         else:
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"buffer {i}")
+
+
+# ---- the loaded object against a shared object ----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.kernel.name for c in CASES])
+async def test_rendered_kernels_give_the_bytes_the_shared_object_gave(case: Case, tmp_path: Path) -> None:
+    """Every case, run from the loaded relocatable object (the CPU device) and from a shared object
+    built with the flags the device used before objects (cc -shared, dlopen): the same bytes."""
+    got = await run_cpu(case.kernel, case.global_size, case.make_inputs(), case.vals)
+    cc = find_cc()
+    assert cc is not None
+    src = ClangRenderer().render(case.kernel)
+    so = tmp_path / "k.so"
+    (tmp_path / "k.c").write_text(src)
+    flags = ["-O2", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
+    subprocess.run([*cc, *flags, "-x", "c", str(tmp_path / "k.c"), "-o", str(so), "-lm"], check=True)
+    arrays = [np.ascontiguousarray(a) for a in case.make_inputs()]
+    launch = case.kernel.launch_vals(case.vals, case.global_size)
+    params = ", ".join(["void *"] * len(arrays) + ["int"] * (len(launch) + 2))
+    ffi = cffi.FFI()
+    ffi.cdef(f"void {case.kernel.name}({params});")
+    fn = getattr(ffi.dlopen(str(so)), case.kernel.name)
+    fn(*[ffi.from_buffer(a) for a in arrays], *launch, 0, 1)
+    for i, (a, b) in enumerate(zip(got, arrays, strict=True)):
+        assert a.tobytes() == b.tobytes(), f"buffer {i}: {a[:6]} != {b[:6]}"
 
 
 # ---- CUDA: compile every case with nvcc ------------------------------------------------------------
