@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,16 @@ async def ints(n: int) -> Buffer:
     buf = await Buffer("CPU", n, dtypes.int32).allocate()
     await buf.copyin(np.zeros(n, np.int32))
     return buf
+
+
+@pytest.fixture(autouse=True)
+def _no_buffer_left_behind() -> Iterator[None]:
+    """Device["CPU"] is shared with later test files (which count its bytes in use): every
+    buffer a test here allocates is freed by the test."""
+    allocator = Device["CPU"].allocator
+    before = allocator.statistics().bytes_in_use
+    yield
+    assert allocator.statistics().bytes_in_use == before
 
 
 def image(prog: Any) -> elf.LoadedObject:
@@ -118,6 +129,8 @@ async def test_a_static_const_table_in_rodata_is_read_by_the_kernel() -> None:
     letters = np.array([ord("a"), ord("b"), ord("d")], np.float32)[np.arange(idx.size) % 3]
     want = np.array(table, np.float32)[idx & 255] + letters
     np.testing.assert_array_equal(await out.numpy(), want)
+    await ib.free()
+    await out.free()
 
 
 async def test_globals_keep_their_values_between_launches_and_each_program_has_its_own() -> None:
@@ -136,6 +149,7 @@ async def test_globals_keep_their_values_between_launches_and_each_program_has_i
     assert (await out.numpy()).tolist() == [9, 3]
     await dev.run(two, out)
     assert (await out.numpy()).tolist() == [3, 1]
+    await out.free()
 
 
 async def test_an_object_with_several_functions_calls_between_them_and_exposes_each() -> None:
@@ -155,6 +169,7 @@ async def test_an_object_with_several_functions_calls_between_them_and_exposes_e
     await dev.run(first, out, vals=(5,))
     await dev.run(second, out, vals=(5,))
     assert (await out.numpy()).tolist() == [27, 11]
+    await out.free()
 
 
 async def test_libm_functions_are_resolved_from_the_process() -> None:
@@ -172,6 +187,8 @@ async def test_libm_functions_are_resolved_from_the_process() -> None:
     await dev.run(prog, out, xb, vals=(x.size,))
     want = np.exp(x) + np.sin(x) * np.power(np.abs(x) + 1, np.float32(1.5))
     np.testing.assert_allclose(await out.numpy(), want, rtol=1e-6, atol=1e-6)
+    await xb.free()
+    await out.free()
 
 
 async def test_vector_extensions_run() -> None:
@@ -196,6 +213,8 @@ async def test_vector_extensions_run() -> None:
     rows = x.reshape(8, 8)
     want = (rows[:, :4] * np.array([1, 2, 3, 4], np.float32) + rows[:, 4:]).ravel()
     np.testing.assert_array_equal(await out.numpy(), want)
+    await xb.free()
+    await out.free()
 
 
 async def test_a_large_kernel_and_an_object_larger_than_an_arena_run() -> None:
@@ -222,6 +241,8 @@ async def test_a_large_kernel_and_an_object_larger_than_an_arena_run() -> None:
     xs, outs = await floats(np.ones(7)), await floats(np.zeros(7))
     await dev.run(prog, outs, xs, vals=(7, 0))
     assert np.isfinite(await outs.numpy()).all()
+    for b in (out, xs, outs):
+        await b.free()
 
 
 # ---- bad objects: a CompileError that names the problem ----------------------------------------------
@@ -317,6 +338,7 @@ async def test_code_is_never_writable_and_executable_and_many_programs_share_two
     for i, p in enumerate(progs):
         await dev.run(p, out, vals=(i,))
         assert (await out.numpy()).tolist() == [i]  # each program has its own g
+    await out.free()
 
 
 def test_arena_space_comes_back_and_an_empty_arena_is_unmapped() -> None:
