@@ -175,7 +175,9 @@ class Allocator(Generic[T]):
     def __init__(self, device: AllocatorOwner) -> None:
         self.device = device
         self.limit: int | None = None
-        self._lock = threading.Lock()
+        # re-entrant: a backend hook may run (e.g. a host view's destructor, in a collection)
+        # while this thread holds it
+        self._lock = threading.RLock()
         self._in_use = 0
         self._peak = 0
         self._live = 0

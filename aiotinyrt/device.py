@@ -279,7 +279,7 @@ class Compiled:
         self._closed = True
         for q in self.queues.values():
             q._stopping = True  # (the C launch path looks here)
-        self._allocator._lock = type(self._allocator._lock)()
+        self._allocator._lock = threading.RLock()  # (works wherever a Lock did)
 
     def _fail(self, exc: BaseException, sig: Signal) -> DeviceError:
         """Turn an exception raised by a command into the device's sticky error. Worker thread."""

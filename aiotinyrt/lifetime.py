@@ -105,7 +105,10 @@ def _after_fork_in_child() -> None:
     global _generation
     _generation += 1
     for callback in list(_fork_callbacks):
-        callback()
+        try:  # (also runs in children that exec at once, e.g. uvloop's subprocesses: never fail)
+            callback()
+        except Exception:
+            pass
 
 
 _fork_callbacks: list[Callable[[], None]] = []

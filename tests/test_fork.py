@@ -38,6 +38,7 @@ async def parent():
     buf = await Buffer("CPU", 1, dtypes.int32).allocate()
     await buf.copyin(np.zeros(1, np.int32))
     state.update(dev=dev, spin=spin, buf=buf, sig=spin(buf, vals=(1000,)))  # pending at the fork
+    state["null"] = Device["NULL"]  # a device whose allocator lock is a plain Lock
 
 
 def refused(what, call):
@@ -68,6 +69,7 @@ async def child():
         await arefused("an allocation", lambda: dev.allocator.alloc(64))
         await arefused("a synchronize", dev.synchronize)
         refused("loading a program", lambda: dev.runtime("spin", spin.lib))
+        await arefused("a NULL allocation", lambda: state["null"].allocator.alloc(64))
         fresh = Device["CPU"]  # the child's own device
         assert fresh is not dev
         inc = await fresh.program("inc", INC)

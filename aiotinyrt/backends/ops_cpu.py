@@ -277,9 +277,6 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
 
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
-        # re-entrant: a host view's last reference may go (and _view_gone run) in a collection
-        # that happens while this thread holds the lock
-        self._lock = threading.RLock()  # type: ignore[assignment]
         # by id of the mmap: how many zero-copy host views of it are alive, and the mmaps freed
         # while some were (unmapped when the last goes)
         self._views: dict[int, int] = {}
