@@ -12,17 +12,21 @@ order is the submission order. :class:`~aiotinyrt.buffer.Buffer` tracks hazards 
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
+import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio.lowlevel
 
 from aiotinyrt.helpers import debug_level, format_bytes, getenv
+from aiotinyrt.lifetime import keep_forever
 from aiotinyrt.queue import Queue
-from aiotinyrt.signal import Signal, when_all_done
+from aiotinyrt.signal import Signal, abandoned, when_all_done
 
 T = TypeVar("T")
 
@@ -110,20 +114,44 @@ def _check_spec(options: object) -> BufferSpec:
 
 
 def host_bytes(mv: object, *, writable: bool, what: str) -> memoryview:
-    """Validate a host buffer argument and return it as a flat unsigned-byte memoryview."""
-    if not isinstance(mv, memoryview):
-        try:
-            mv = memoryview(mv)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"{what} must support the buffer protocol, got {type(mv).__name__}") from None
-    if writable and mv.readonly:
+    """Validate a host buffer argument and return it as a flat unsigned-byte memoryview.
+
+    The result is always a view of its own (never the caller's memoryview object): a queued copy
+    keeps it, so the caller's memory stays exported, and cannot be freed or resized, until the
+    copy ran, even if the caller releases its own view (``with memoryview(b) as mv:``) or
+    stops waiting. Memory holding object references (numpy object arrays, struct formats with
+    ``O``) is refused: bytes copied in or out of it would be dangling pointers."""
+    try:
+        view = memoryview(mv)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must support the buffer protocol, got {type(mv).__name__}") from None
+    except ValueError as exc:  # a released memoryview
+        raise ValueError(f"{what}: {exc}") from None
+    if _holds_references(view.format):
+        raise TypeError(
+            f"{what} holds Python object references (buffer format {view.format!r}); copies take "
+            "plain data only (numpy: a numeric dtype, not object)"
+        )
+    if writable and view.readonly:
         raise ValueError(f"{what} is read-only; copyout needs a writable buffer")
-    if not mv.c_contiguous:
+    if not view.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _holds_references(fmt: str) -> bool:
+    """Whether a struct-module buffer format has an ``O`` (object reference) item; field names
+    (``:name:`` in ``T{...}`` formats) are not items."""
+    if "O" not in fmt:
+        return False
+    return "O" in re.sub(r":[^:]*:", "", fmt)
 
 
 _DEFAULT_SPEC = BufferSpec()
+
+
+def _same(obj: T) -> T:
+    return obj
 
 
 class Allocator(Generic[T]):
@@ -141,16 +169,24 @@ class Allocator(Generic[T]):
     #: and a wake-up of the loop, 50-100 us of the loop's CPU on a 2-core machine). 0: always
     #: queued. Only for backends whose device memory is host memory, so the hooks never block.
     inline_copy_bytes: int = 0
+    #: The class of this allocator's handles, where there is one (checks adopted handles).
+    handle_type: type | None = None
 
     def __init__(self, device: AllocatorOwner) -> None:
         self.device = device
         self.limit: int | None = None
-        self._lock = threading.Lock()
+        # re-entrant: a backend hook may run (e.g. a host view's destructor, in a collection)
+        # while this thread holds it
+        self._lock = threading.RLock()
         self._in_use = 0
         self._peak = 0
         self._live = 0
         self._hits = 0
         self._misses = 0
+        # the handles handed out and not freed, by id: (a weak reference to the handle, its bytes
+        # and spec; an entry goes when the handle dies unfreed); the ids of those a Buffer owns
+        self._outstanding: dict[int, tuple[Callable[[], T | None], int, BufferSpec]] = {}
+        self._owned: set[int] = set()
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _alloc(self, nbytes: int, options: BufferSpec) -> T:
@@ -206,6 +242,10 @@ class Allocator(Generic[T]):
         """Bytes behind a handle, where the backend knows (lets raw copies be checked up front)."""
         return getattr(opaque, "nbytes", None)
 
+    def _wait_released(self) -> None:
+        """Block until memory freed so far is back with the system (backends that release it on
+        a worker thread)."""
+
     def _reusable(self, opaque: T) -> bool:
         """False while something outside the runtime (a host view) still uses the memory."""
         return True
@@ -230,15 +270,19 @@ class Allocator(Generic[T]):
         with self._lock:
             opaque = self._take_cached(nbytes, spec)
             if opaque is not None:
-                self._account_alloc(nbytes, hit=True)
+                self._account_alloc(opaque, nbytes, spec, hit=True)
                 return opaque
         try:
             opaque = self._alloc_checked(nbytes, spec)
         except MemoryError:
             self.free_cache()
-            opaque = self._alloc_checked(nbytes, spec)
+            try:
+                opaque = self._alloc_checked(nbytes, spec)
+            except MemoryError:  # the cache's memory may still be on its way back to the system
+                self._wait_released()
+                opaque = self._alloc_checked(nbytes, spec)
         with self._lock:
-            self._account_alloc(nbytes, hit=False)
+            self._account_alloc(opaque, nbytes, spec, hit=False)
         if debug_level() >= 7:
             print(f"{self.device.name}: alloc {format_bytes(nbytes)} ({self._in_use} in use)")
         return opaque
@@ -258,7 +302,14 @@ class Allocator(Generic[T]):
             f"{self._in_use} bytes in use ({format_bytes(self._in_use)}): {why}"
         )
 
-    def _account_alloc(self, nbytes: int, *, hit: bool) -> None:
+    def _account_alloc(self, opaque: T, nbytes: int, spec: BufferSpec, *, hit: bool) -> None:
+        key = id(opaque)
+        ref: Callable[[], T | None]
+        try:
+            ref = weakref.ref(opaque, lambda _: self._handle_died(key))
+        except TypeError:  # a handle type without weak references: held until freed
+            ref = functools.partial(_same, opaque)
+        self._outstanding[key] = (ref, nbytes, spec)
         self._in_use += nbytes
         self._live += 1
         self._peak = max(self._peak, self._in_use)
@@ -287,10 +338,76 @@ class Allocator(Generic[T]):
     def free_nowait(
         self, opaque: T, nbytes: int, options: BufferSpec | None = None, *, after: Sequence[Signal] = ()
     ) -> None:
-        """Synchronous :meth:`free` (deferred the same way)."""
+        """Synchronous :meth:`free` (deferred the same way). Memory that a command abandoned at
+        close may still use is never released (see :mod:`aiotinyrt.lifetime`)."""
         nbytes = _check_nbytes(self.device.name, nbytes)
         spec = _check_spec(options)
-        when_all_done(after, lambda: self._release(opaque, nbytes, spec))
+        with self._lock:  # each allocation is released once, with its own size
+            entry = self._outstanding.get(id(opaque))
+            if entry is None or entry[0]() is not opaque:
+                raise ValueError(
+                    f"{self.device.name}: free of {opaque!r}, which is not a live allocation of this "
+                    "allocator (freed already, a view, or another allocator's)"
+                )
+            if nbytes > entry[1]:
+                raise ValueError(f"{self.device.name}: free of {nbytes} bytes, but {opaque!r} has {entry[1]}")
+            _, nbytes, spec = entry  # (an adopted handle may be larger than its Buffer)
+            del self._outstanding[id(opaque)]
+            self._owned.discard(id(opaque))
+        if not after:
+            self._release(opaque, nbytes, spec)
+            return
+        after = tuple(after)
+
+        def release() -> None:
+            if abandoned(after):  # (checked when the last one completes: abandonment completes it)
+                keep_forever(opaque)  # still counted in use: it is
+                return
+            self._release(opaque, nbytes, spec)
+
+        when_all_done(after, release)
+
+    def adopt(self, opaque: object, nbytes: int) -> T:
+        """Make ``opaque`` the memory of a Buffer of ``nbytes``: it must be a live allocation of
+        this allocator of at least ``nbytes``, not owned by another Buffer. Raises ``TypeError``
+        or ``ValueError`` otherwise (nothing changes)."""
+        handle_type = self.handle_type
+        if handle_type is not None and not isinstance(opaque, handle_type):
+            raise TypeError(
+                f"{self.device.name}: allocate(opaque=...) needs a {handle_type.__name__} from this "
+                f"device's allocator, got {type(opaque).__name__}"
+            )
+        with self._lock:
+            entry = self._outstanding.get(id(opaque))
+            handle = None if entry is None else entry[0]()
+            if entry is None or handle is None or handle is not opaque:
+                raise ValueError(
+                    f"{self.device.name}: allocate(opaque=...): {opaque!r} is not a live allocation of "
+                    "this device's allocator (freed, a view, or another device's)"
+                )
+            if entry[1] < nbytes:
+                raise ValueError(
+                    f"{self.device.name}: allocate(opaque=...): the allocation has {entry[1]} bytes, "
+                    f"the buffer needs {nbytes}"
+                )
+            if id(opaque) in self._owned:
+                raise ValueError(
+                    f"{self.device.name}: allocate(opaque=...): {opaque!r} is another Buffer's memory"
+                )
+            self._owned.add(id(opaque))
+        return handle
+
+    def _handle_died(self, key: int) -> None:
+        """A handle was dropped without being freed (any thread; may run inside a section holding
+        ``_lock``, so it takes none: single dict operations are atomic)."""
+        entry = self._outstanding.get(key)
+        if entry is not None and entry[0]() is None:
+            self._outstanding.pop(key, None)
+            self._owned.discard(key)
+
+    def _own(self, opaque: T) -> None:
+        """Mark a fresh allocation as a Buffer's (so no other Buffer adopts it)."""
+        self._owned.add(id(opaque))
 
     def _release(self, opaque: T, nbytes: int, spec: BufferSpec) -> None:
         """Return memory to the cache or the backend. May run in a worker thread."""

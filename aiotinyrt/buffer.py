@@ -115,7 +115,10 @@ class Buffer:
 
     # ---- lifetime ------------------------------------------------------------------------------
     async def allocate(self, opaque: Any = None) -> Buffer:
-        """Allocate the memory (or adopt ``opaque``, a handle of this device's allocator).
+        """Allocate the memory, or adopt ``opaque``: a live allocation of this device's allocator
+        (``await dev.allocator.alloc(n)``), at least as large as the buffer, that no other Buffer
+        owns; anything else raises ``TypeError``/``ValueError``. The buffer's ``free()`` then
+        releases it.
 
         Returns the buffer itself, so ``buf = await Buffer(...).allocate()`` works.
 
@@ -130,10 +133,13 @@ class Buffer:
             raise RuntimeError(f"{self!r} is already allocated")
         device = self.device_obj
         device._check_open()
+        alloc = device.allocator
+        if opaque is not None:
+            self._handle = alloc.adopt(opaque, self.nbytes)
+        else:
+            self._handle = alloc.alloc_nowait(self.nbytes, self.options)
+            alloc._own(self._handle)
         self._dev = device
-        self._handle = (
-            opaque if opaque is not None else device.allocator.alloc_nowait(self.nbytes, self.options)
-        )
         return self
 
     def pending(self) -> list[Signal]:

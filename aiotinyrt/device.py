@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from aiotinyrt.compiler import Compiler
 from aiotinyrt.graph import Graph, capture
 from aiotinyrt.helpers import debug_level
 from aiotinyrt.kernel import Kernel, Renderer
+from aiotinyrt.lifetime import close_timeout, exit_join_s, fork_generation, forked_error_message
 from aiotinyrt.program import Program
 from aiotinyrt.queue import HostQueue, Queue
 from aiotinyrt.registry import _DeviceRegistry
@@ -56,6 +58,7 @@ class Compiled:
         self._copy_queue = self.queues[queues[-1]]
         self._error: DeviceError | None = None
         self._closed = False
+        self._generation = fork_generation()  # a forked child refuses to use this device
         if debug_level() >= 1:
             print(f"opened device {name} ({type(self).__name__})")
 
@@ -190,28 +193,56 @@ class Compiled:
             q._halt(False)
 
     async def aclose(self) -> None:
-        """Wait for queued work, stop the workers, release cached memory and unregister.
+        """Wait for queued work (at most env ``CLOSE_TIMEOUT_S`` seconds, default 30), stop the
+        workers, release cached memory and unregister. Queued commands not started by then are
+        dropped (their signals fail); a command still running ``EXIT_JOIN_S`` seconds (default
+        2) later is abandoned: its worker is left running, the memory it uses stays allocated,
+        and one ``RuntimeWarning`` names it (see :mod:`aiotinyrt.lifetime`). Closing is bounded
+        by about ``CLOSE_TIMEOUT_S + EXIT_JOIN_S``.
 
         ``Device[name]`` afterwards opens a fresh device. Does not raise the sticky error.
 
-        Cancellation: shielded; closing always completes.
+        Cancellation: cancelled (or interrupted by Ctrl-C) while waiting for queued work, it
+        stops waiting and closes at once, as after the timeout, then propagates the
+        cancellation; the close itself is shielded and always completes.
         """
-        with anyio.CancelScope(shield=True):
-            await self._settle()
-            self._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
-            await self._settle()  # the workers reach their stop markers; nothing joins on the loop
-            # Off the loop thread: unmapping cached memory can take milliseconds, and each worker,
-            # past its stop marker, still has to return (a bounded join: after aclose() no worker
-            # thread of this device is left, which a test that enumerated threads right after
-            # aclose() found not always so under load).
-            await anyio.to_thread.run_sync(self._finish_close)
+        if self._closed:
+            await anyio.lowlevel.checkpoint()
+            return
+        try:
+            await self._drain(close_timeout())
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
+                # Off the loop thread: each worker, past its stop marker, still has to return
+                # (a bounded join: after aclose() no worker thread of this device is left unless
+                # it was abandoned), and unmapping cached memory can take milliseconds.
+                await anyio.to_thread.run_sync(self._join_workers)
+                for q in self.queues.values():
+                    if isinstance(q, HostQueue):
+                        q.abandon_if_stuck(at_exit=False)
+                await anyio.to_thread.run_sync(self.allocator.free_cache)
 
-    def _finish_close(self) -> None:
+    async def _drain(self, limit: float) -> None:
+        """Wait for everything submitted so far, at most ``limit`` seconds, without raising
+        (neither the sticky error nor a timeout). Cancellation: propagates."""
+        deadline = anyio.current_time() + limit
+        for sig in self._latest():
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                return
+            try:
+                await sig._settle(remaining)
+            except TimeoutError:
+                return
+
+    def _join_workers(self) -> None:
+        """Join every worker thread, all of them within ``EXIT_JOIN_S`` seconds together."""
+        deadline = time.monotonic() + exit_join_s()
         for q in self.queues.values():
             thread = q._thread
             if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=5.0)
-        self.allocator.free_cache()
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _shutdown(self, *, drop_queued: bool, join_timeout: float | None, free_cache: bool = True) -> None:
         if self._closed:
@@ -234,7 +265,21 @@ class Compiled:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise DeviceError(f"{self.name} is closed", device=self.name)
+            raise self._refusal()
+
+    def _refusal(self) -> DeviceError:
+        """The error of using this device after it closed (or in a forked child)."""
+        if self._generation != fork_generation():
+            return DeviceError(forked_error_message(self.name), device=self.name)
+        return DeviceError(f"{self.name} is closed", device=self.name)
+
+    def _forked(self) -> None:
+        """In a forked child, where none of its worker threads exist: refuse use from now on
+        (takes no lock; one may have been held by a thread that does not exist here)."""
+        self._closed = True
+        for q in self.queues.values():
+            q._stopping = True  # (the C launch path looks here)
+        self._allocator._lock = threading.RLock()  # (works wherever a Lock did)
 
     def _fail(self, exc: BaseException, sig: Signal) -> DeviceError:
         """Turn an exception raised by a command into the device's sticky error. Worker thread."""
@@ -300,14 +345,16 @@ async def open_device(name: str) -> AsyncIterator[Compiled]:
     The native queue library is built or loaded off the event loop first (see
     :func:`aiotinyrt.native.prepare`).
 
-    Cancellation: cancelled before the device opened, nothing is opened; the exit path is
-    shielded, so an opened device is always closed.
+    Cancellation: cancelled before the device opened, nothing is opened. An opened device is
+    always closed: on exit it waits for queued work as :meth:`Compiled.aclose` does (bounded by
+    ``CLOSE_TIMEOUT_S``; cancelled, it closes at once), then raises the sticky error, if any.
     """
     await native.prepare()
     device = Device[name]
     try:
         yield device
-        with anyio.CancelScope(shield=True):
-            await device.synchronize()
+        await device._drain(close_timeout())  # (bounded: a kernel that never returns is abandoned)
+        if device._error is not None:
+            raise device._error
     finally:
         await device.aclose()

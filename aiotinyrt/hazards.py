@@ -57,8 +57,13 @@ def idle(accesses: list[Access], start: int, end: int, write: bool) -> bool:
 
 
 def pending(accesses: list[Access]) -> list[Signal]:
-    """Signals of every access not done yet."""
-    return [sig for _, _, sig, _ in accesses if sig.timeline.completed < sig.value]
+    """Signals of every access not done yet, or abandoned at close while it may still run (see
+    :mod:`aiotinyrt.lifetime`: its memory is never released)."""
+    return [
+        sig
+        for _, _, sig, _ in accesses
+        if sig.timeline.completed < sig.value or sig.value >= sig.timeline._abandoned
+    ]
 
 
 def pending_writes(accesses: list[Access], start: int, end: int) -> list[Signal]:

@@ -19,7 +19,7 @@ from aiotinyrt.helpers import prod
 from aiotinyrt.kernel import Kernel
 from aiotinyrt.queue import HostQueue, Queue, capturing
 from aiotinyrt.registry import DeviceLike
-from aiotinyrt.signal import DeviceError, Signal, Timeline
+from aiotinyrt.signal import Signal, Timeline
 
 #: The first item of the repeat-launch cache keys of launches passing vals: no argument list
 #: (``prog(*bufs)``'s key is the buffers themselves) can be equal to such a key.
@@ -270,7 +270,7 @@ class Program:
         prog = self
         device = self.device
         if device.closed:
-            raise DeviceError(f"{device.name} is closed", device=device.name)
+            raise device._refusal()
         queue = device._compute_queue
         graph = capturing.get()
         if graph is not None:

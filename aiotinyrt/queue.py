@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Protocol
 
 from aiotinyrt import native
 from aiotinyrt.helpers import debug_level, fmt_time, getenv_str
+from aiotinyrt.lifetime import keep_forever, warn_abandoned
 from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, wait_in_thread
 
 
@@ -30,6 +31,7 @@ class QueueOwner(Protocol):
     _error: DeviceError | None
 
     def _fail(self, exc: BaseException, sig: Signal) -> DeviceError: ...
+    def _refusal(self) -> DeviceError: ...
 
 
 class Queue(Protocol):
@@ -171,6 +173,8 @@ class HostQueue:
         # what native commands need alive until they ran: [last value using it, object]
         self._held: deque[list[Any]] = deque()
         self._last_held: list[Any] | None = None
+        self._running: Signal | None = None  # the latest Python command started
+        self._stop_value = 0  # the stop marker's value, once stop() ran
 
     def __repr__(self) -> str:
         return f"<HostQueue {self.timeline.label} queued={self.queued()}>"
@@ -184,7 +188,7 @@ class HostQueue:
     ) -> Signal:
         """Enqueue ``fn(*args)`` after ``deps``; return its Signal. Never blocks on the worker."""
         if self._stopping:
-            raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+            self._refuse_closed()
         timeline = self.timeline
         if self._lib is None:
             value = next(self._values)
@@ -255,7 +259,7 @@ class HostQueue:
 
     def _refuse_closed(self) -> NoReturn:
         """The error of a submission to a stopped queue (also raised by the C replay)."""
-        raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
+        raise self.device._refusal()
 
     def _prune_deps(self) -> None:
         """Forget the dependencies of commands that ran (R_DEPS pops only suspects)."""
@@ -352,6 +356,7 @@ class HostQueue:
             sig._error = self._closed_error
         if sig._error is None:
             if device._error is None:
+                self._running = sig  # (named if the device is closed while it runs)
                 start = perf()
                 try:
                     fn(*args)  # type: ignore[misc]
@@ -477,18 +482,55 @@ class HostQueue:
                 first = dropped[0].value if dropped else value
                 self._commands.append(Signal(self.timeline, first, None, (value,)))
                 self._wake.set()
+        self._stop_value = value
         if self._thread is None:
             self.timeline.advance(value)
             return
-        if join_timeout is None:  # the caller waits for the timeline itself (without blocking)
+        if join_timeout is None:  # the caller joins and calls abandon_if_stuck() itself
             return
         self._thread.join(join_timeout)
+        self.abandon_if_stuck(at_exit=True)
+
+    def abandon_if_stuck(self, *, at_exit: bool) -> bool:
+        """After :meth:`stop`: if the worker has not reached its stop marker, it is stuck in a
+        command; abandon it (see :mod:`aiotinyrt.lifetime`). Its timeline is completed, the stuck
+        command and those behind it failing, so nobody waits; but this queue, and every buffer
+        whose free waited for one of those commands, is leaked on purpose, never unmapped, and
+        one warning names the command. Returns whether it abandoned."""
         timeline = self.timeline
-        if timeline.completed < value:
-            # the worker is stuck in a command: complete the rest so waiters return; native
-            # commands among them (after the stuck one) never ran
-            timeline._record_failure(timeline.completed + 2, value - 1, closed)
-            timeline.advance(value)
+        value = self._stop_value
+        if not value or timeline.completed >= value:
+            return False
+        stuck = timeline.completed + 1
+        timeline._abandoned = stuck  # before anything completes: frees due now see it
+        keep_forever(self)  # its C state, held blocks and host buffers stay valid
+        name = self._describe_stuck(stuck)
+        warn_abandoned(
+            f"{timeline.label}@{stuck} ({name}) was still running when {self.device.name} closed; "
+            "its worker is abandoned and the memory it uses stays allocated",
+            at_exit=at_exit,
+        )
+        error = DeviceError(
+            f"{self.device.name}: {timeline.label}@{stuck} ({name}) was abandoned, still running, "
+            "when the device closed",
+            device=self.device.name,
+        )
+        timeline._record_failure(stuck, stuck, error)
+        timeline._record_failure(stuck + 1, value - 1, self._closed_error or error)
+        timeline.advance(value)
+        return True
+
+    def _describe_stuck(self, value: int) -> str:
+        """The name of command ``value`` (a kernel's name, else the function's)."""
+        running = self._running
+        if running is not None and running.value == value and running._fn is not None:
+            return describe(running._fn, running._keep)
+        for last, keep in list(self._held):  # native launches hold (fn, nargs, block, handles, keep, program)
+            if last >= value:
+                if isinstance(keep, tuple) and keep and hasattr(keep[-1], "lib"):
+                    return str(keep[-1].name)
+                return "a native command"
+        return "a command"
 
 
 def describe(fn: object, keep: object) -> str:

@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import importlib
 import json
-import os
 import pkgutil
 import threading
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from aiotinyrt.allocator import Allocator
 from aiotinyrt.helpers import getenv_str
+from aiotinyrt.lifetime import exit_join_s, on_fork_in_child
 from aiotinyrt.queue import Queue
 from aiotinyrt.signal import DeviceError, Signal
 
@@ -51,6 +51,8 @@ class DeviceLike(Protocol):
     def _check_open(self) -> None: ...
     def _barrier(self) -> tuple[Signal, ...]: ...
     def _fail(self, exc: BaseException, sig: Signal) -> DeviceError: ...
+    def _refusal(self) -> DeviceError: ...
+    def _forked(self) -> None: ...
     def _shutdown(
         self, *, drop_queued: bool, join_timeout: float | None, free_cache: bool = True
     ) -> None: ...
@@ -162,16 +164,26 @@ class _DeviceRegistry(Generic[D]):
             return backend
         raise RuntimeError(f"no device opens here (backends tried: {', '.join(order)})")
 
+    def _after_fork(self) -> None:
+        """In a forked child (no worker threads there): every device the parent opened refuses
+        use from now on; ``Device[name]`` opens fresh ones (see :mod:`aiotinyrt.lifetime`)."""
+        inherited = list(self._opened.values())
+        self._opened = {}
+        self._lock = threading.RLock()
+        for device in inherited:
+            device._forked()
+
     def _finalize_all(self) -> None:
         """Interpreter exit: drop queued work and stop workers, with a bounded wait; write the
         PROFILE trace if asked for."""
         write_profile(self.opened())
         for device in self.opened():
             with contextlib.suppress(Exception):
-                device._shutdown(drop_queued=True, join_timeout=float(os.environ.get("EXIT_JOIN_S", "2")))
+                device._shutdown(drop_queued=True, join_timeout=exit_join_s())
 
 
 Device: _DeviceRegistry[DeviceLike] = _DeviceRegistry()
+on_fork_in_child(Device._after_fork)
 
 
 def write_profile(devices: Sequence[DeviceLike], path: str | None = None) -> str | None:

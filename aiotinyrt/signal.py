@@ -58,6 +58,7 @@ import anyio.lowlevel
 
 from aiotinyrt import native
 from aiotinyrt.helpers import check_timeout, env_wait_timeout, getenv
+from aiotinyrt.lifetime import fork_generation, forked_error_message
 
 
 class DeviceError(RuntimeError):
@@ -138,7 +139,20 @@ class Timeline:
     Python object with the same fields.
     """
 
-    __slots__ = ("_c", "_caddr", "_complete", "_failures", "_heap", "_lib", "_lock", "_seq", "device", "name")
+    __slots__ = (
+        "_abandoned",
+        "_c",
+        "_caddr",
+        "_complete",
+        "_failures",
+        "_generation",
+        "_heap",
+        "_lib",
+        "_lock",
+        "_seq",
+        "device",
+        "name",
+    )
 
     def __init__(self, device: str, name: str, lib: Any = None) -> None:
         self.device = device
@@ -157,6 +171,10 @@ class Timeline:
         #: (first, last, error) of commands that failed (native ones have no Python signal to
         #: hold it; on a native queue Python commands' failures are here too)
         self._failures: list[tuple[int, int, BaseException]] = []
+        #: the first command an abandoned worker may still be running (see aiotinyrt.lifetime):
+        #: memory used by commands from it on is never released
+        self._abandoned = ABANDONED_NEVER
+        self._generation = fork_generation()  # the process (by fork generation) that runs it
 
     def __repr__(self) -> str:
         return f"<Timeline {self.device}/{self.name} completed={self.completed} submitted={self.submitted}>"
@@ -422,6 +440,8 @@ class Signal:
         if timeline.completed >= value:
             await anyio.lowlevel.checkpoint()
             return
+        if timeline._generation != fork_generation():  # a device of the parent: nothing runs it
+            raise DeviceError(forked_error_message(timeline.device), device=timeline.device)
         if timeout is None:  # (read only when there is something to wait for)
             timeout = env_wait_timeout()
         event = anyio.Event()
@@ -454,6 +474,16 @@ def wait_in_thread(signals: Sequence[Signal]) -> None:
     event = threading.Event()
     when_all_done(signals, event.set, after=True)
     event.wait()
+
+
+#: ``Timeline._abandoned`` of a timeline whose worker was never abandoned
+ABANDONED_NEVER = 1 << 62
+
+
+def abandoned(signals: Sequence[Signal]) -> bool:
+    """Whether any of ``signals`` is a command an abandoned worker may still be running (or one
+    queued behind it): the memory it uses must never be released (see :mod:`aiotinyrt.lifetime`)."""
+    return any(s.value >= s.timeline._abandoned for s in signals)
 
 
 def when_all_done(signals: Sequence[Signal], fn: Callable[[], None], *, after: bool = False) -> None:

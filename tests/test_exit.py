@@ -68,5 +68,6 @@ def test_exit_while_a_long_kernel_runs_is_bounded(backend: str) -> None:
         f"exit status {result.returncode} (< 0: killed by that signal) {result.stderr}"
     )
     assert result.stdout.startswith("queued 1 done 0"), result.stdout
-    assert result.stderr == ""
+    # the kernel is abandoned with its memory kept, and says so in one line
+    assert result.stderr.count("\n") == 1 and "CPU/compute@1 (spin)" in result.stderr, result.stderr
     assert elapsed < 20, f"exit took {elapsed:.1f} s"

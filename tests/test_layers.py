@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "aiotinyrt"
 #: Lowest first. A module may import any module of an earlier layer. Modules in one layer do not
 #: import each other.
 LAYERS: list[list[str]] = [
-    ["helpers", "dtype", "cachedir"],
+    ["helpers", "dtype", "cachedir", "lifetime"],
     ["native"],
     ["signal"],
     ["queue"],

@@ -231,7 +231,7 @@ class CPUMemory:
     """A handle to host memory: the owning mmap (None for external memory), the address of the
     first byte, its offset into the mmap and its size."""
 
-    __slots__ = ("addr", "mm", "nbytes", "offset", "ptr")
+    __slots__ = ("__weakref__", "addr", "mm", "nbytes", "offset", "ptr")
 
     def __init__(self, mm: mmap.mmap | None, addr: int, offset: int, nbytes: int) -> None:
         self.mm = mm
@@ -252,12 +252,17 @@ _SMALL_COPY = 64 * 1024
 class CPUAllocator(LRUAllocator[CPUMemory]):
     """Page-aligned anonymous mmap memory; zero-copy host views."""
 
+    handle_type = CPUMemory
+
     #: 64 KiB: a few microseconds of memcpy on the loop thread (see Allocator.inline_copy_bytes)
     inline_copy_bytes = _SMALL_COPY
 
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
-        self._unreleased: list[mmap.mmap] = []  # freed while a host view still used them
+        # by id of the mmap: how many zero-copy host views of it are alive, and the mmaps freed
+        # while some were (unmapped when the last goes)
+        self._views: dict[int, int] = {}
+        self._parked: dict[int, mmap.mmap] = {}
 
     def _alloc(self, nbytes: int, options: BufferSpec) -> CPUMemory:
         if options.external_ptr is not None:
@@ -266,25 +271,32 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         return CPUMemory(mm, int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm))), 0, nbytes)
 
     def _free(self, opaque: CPUMemory, nbytes: int, options: BufferSpec) -> None:
+        mm = opaque.mm
+        if mm is None:
+            return
         with self._lock:  # called from worker threads too
-            if opaque.mm is not None:
-                self._unreleased.append(opaque.mm)
-            still = []
-            for mm in self._unreleased:
-                try:
-                    mm.close()
-                except BufferError:  # a memoryview from as_memoryview() keeps it alive
-                    still.append(mm)
-            self._unreleased = still
+            if id(mm) in self._views:  # a view from as_memoryview() still uses it: when it goes
+                self._parked[id(mm)] = mm
+                return
+        unmap(mm)
 
     def _reusable(self, opaque: CPUMemory) -> bool:
-        if opaque.mm is None:
-            return False
-        try:
-            opaque.mm.resize(len(opaque.mm))  # refused while any host view is exported
-        except BufferError:
-            return False
-        return True
+        return opaque.mm is not None and id(opaque.mm) not in self._views
+
+    def _view_gone(self, mm: mmap.mmap) -> None:
+        """The last reference to one zero-copy host view went (any thread, from cffi's gc)."""
+        with self._lock:
+            left = self._views.get(id(mm), 1) - 1
+            if left > 0:
+                self._views[id(mm)] = left
+                return
+            self._views.pop(id(mm), None)
+            parked = self._parked.pop(id(mm), None)
+        if parked is not None:
+            unmap(parked)
+
+    def _wait_released(self) -> None:
+        _unmapper.drain()
 
     def _copyin(self, dest: CPUMemory, src: memoryview) -> None:
         if src.nbytes > dest.nbytes:
@@ -322,9 +334,84 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         return CPUMemory(opaque.mm, opaque.addr + offset, opaque.offset + offset, nbytes)
 
     def _as_memoryview(self, opaque: CPUMemory, nbytes: int) -> memoryview:
-        if opaque.mm is None:
-            return memoryview(_ffi.buffer(_ffi.cast("char *", opaque.addr), nbytes))
-        return memoryview(opaque.mm)[opaque.offset : opaque.offset + nbytes]
+        pointer = _ffi.cast("char *", opaque.addr)
+        mm = opaque.mm
+        if mm is not None:
+            # The view exports a cffi pointer, not the mmap: its destructor runs when the last
+            # view (slices included) goes, so memory freed meanwhile is unmapped right then. The
+            # destructor holds the mmap, which therefore outlives every view.
+            with self._lock:
+                self._views[id(mm)] = self._views.get(id(mm), 0) + 1
+            pointer = _ffi.gc(pointer, lambda _: self._view_gone(mm))
+        return memoryview(_ffi.buffer(pointer, nbytes))
+
+
+#: Mappings at least this large are unmapped by the unmapper thread, not by the freeing thread:
+#: munmap of touched pages costs ~0.2 ms per MiB (50 ms per 256 MiB), too long for the loop.
+_UNMAP_INLINE_BYTES = 256 * 1024
+
+
+class _Unmapper:
+    """One daemon thread per process that closes (unmaps) the mmaps handed to it, so no free,
+    ``free_cache()`` or out-of-memory retry unmaps on the event loop thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[mmap.mmap | threading.Event] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def put(self, mm: mmap.mmap) -> None:
+        try:
+            self._ensure()
+        except RuntimeError:  # no new thread at interpreter shutdown: unmap here
+            _close_mapping(mm)
+            return
+        self._queue.put(mm)
+
+    def drain(self) -> None:
+        """Block until everything handed over so far is unmapped (out-of-memory retry, tests)."""
+        if self._thread is None or self._pid != os.getpid():
+            return
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+
+    def _ensure(self) -> None:
+        pid = os.getpid()
+        if self._thread is not None and self._pid == pid:
+            return
+        with self._lock:
+            if self._thread is None or self._pid != pid:  # (none in a forked child)
+                self._queue = queue.SimpleQueue()
+                self._pid = pid
+                thread = threading.Thread(target=self._run, name="aiotinyrt-unmapper", daemon=True)
+                thread.start()
+                self._thread = thread
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            if isinstance(item, threading.Event):
+                item.set()
+            else:
+                _close_mapping(item)
+
+
+def _close_mapping(mm: mmap.mmap) -> None:
+    mm.close()
+
+
+_unmapper = _Unmapper()
+
+
+def unmap(mm: mmap.mmap) -> None:
+    """Unmap ``mm``: at once when small, else on the unmapper thread."""
+    if len(mm) < _UNMAP_INLINE_BYTES:
+        _close_mapping(mm)
+    else:
+        _unmapper.put(mm)
 
 
 class CorePool:

@@ -50,13 +50,15 @@ class NullProgram(Program):
 class NullMemory:
     """A handle to memory that does not exist."""
 
-    __slots__ = ("nbytes",)
+    __slots__ = ("__weakref__", "nbytes")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
 
 
 class NullAllocator(LRUAllocator[NullMemory]):
+    handle_type = NullMemory
+
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
         self.supports_copyout = getenv("NULL_ALLOW_COPYOUT") != 0
