@@ -60,6 +60,7 @@ cl_int clWaitForEvents(cl_uint, const cl_event*);
 cl_int clGetEventInfo(cl_event, cl_uint, size_t, void*, size_t*);
 cl_int clGetEventProfilingInfo(cl_event, cl_uint, size_t, void*, size_t*);
 cl_int clReleaseEvent(cl_event);
+cl_int clRetainEvent(cl_event);
 """)
 
 # constants (cl.h)

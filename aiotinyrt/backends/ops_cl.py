@@ -50,7 +50,10 @@ _keys = itertools.count(1)
 @ffi.callback("void(cl_event, cl_int, void*)")  # type: ignore[untyped-decorator]
 def _on_complete(event: Any, status: int, user: Any) -> None:
     """OpenCL's thread: a watched event completed (status CL_COMPLETE) or failed (< 0)."""
-    done, _ = _pending.pop(int(ffi.cast("uintptr_t", user)))
+    entry = _pending.pop(int(ffi.cast("uintptr_t", user)), None)
+    if entry is None:
+        return  # (reported already)
+    done = entry[0]
     times = ffi.new("cl_ulong[2]")
     cl = ocl.lib()
     seconds = 0.0
