@@ -3,16 +3,17 @@
 ``CL``, ``CL:1``, ... are the devices of every platform, in the ICD loader's order. Queues are
 driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`): each is one in-order
 ``cl_command_queue``; a command is enqueued from the submitting thread with the events it waits
-for as its wait list, and completes through a ``clSetEventCallback(CL_COMPLETE)`` callback, which
-OpenCL calls on its own thread. Copies are non-blocking ``clEnqueueRead/WriteBuffer`` whose host
-memory the queue keeps alive until their event completed. A Python command (not an OpenCL one)
-runs from the callback of a marker after its wait list, and a user event holds the queue's later
-commands until it returned. Raw kernels take tinygrad's CL convention: buffers, then ``int`` vals.
+for as its wait list, and one waiter thread per queue calls ``clWaitForEvents`` on each event in
+order and reports it (docs/architecture.md: measured against ``clSetEventCallback``). Copies are
+non-blocking ``clEnqueueRead/WriteBuffer`` whose host memory the queue keeps alive until their
+event completed. A Python command (not an OpenCL one) runs on the waiter thread once a marker
+after its wait list completed, and a user event holds the queue's later commands until it
+returned. Raw kernels take tinygrad's CL convention: buffers, then ``int`` vals.
 """
 
 from __future__ import annotations
 
-import itertools
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,36 +43,18 @@ def cl_command(fn: Command) -> Command:
     return fn
 
 
-#: done callbacks of events not completed yet, by the key passed as the callback's user data
-_pending: dict[int, tuple[Done, Any]] = {}
-_keys = itertools.count(1)
-
-
-@ffi.callback("void(cl_event, cl_int, void*)")  # type: ignore[untyped-decorator]
-def _on_complete(event: Any, status: int, user: Any) -> None:
-    """OpenCL's thread: a watched event completed (status CL_COMPLETE) or failed (< 0)."""
-    entry = _pending.pop(int(ffi.cast("uintptr_t", user)), None)
-    if entry is None:
-        return  # (reported already)
-    done = entry[0]
-    times = ffi.new("cl_ulong[2]")
+def _finished(event: Any, times: Any, status: Any) -> tuple[float, BaseException | None]:
+    """The device seconds (profiling) and the error of a completed ``event``."""
     cl = ocl.lib()
-    seconds = 0.0
-    if status == 0 and (
+    code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
+    if code != 0 or status[0] < 0:
+        return 0.0, CLError("a command's event (execution status)", status[0] if code == 0 else code)
+    if (
         cl.clGetEventProfilingInfo(event, ocl.PROFILING_COMMAND_START, 8, times, NULL) == 0
         and cl.clGetEventProfilingInfo(event, ocl.PROFILING_COMMAND_END, 8, times + 1, NULL) == 0
     ):
-        seconds = max(0, times[1] - times[0]) * 1e-9
-    done(seconds, None if status >= 0 else CLError("a command's event (execution status)", status))
-
-
-def _watch(event: Any, done: Done) -> None:
-    key = next(_keys)
-    _pending[key] = (done, event)  # (holds the event until its callback ran)
-    code = ocl.lib().clSetEventCallback(event, ocl.COMPLETE, _on_complete, ffi.cast("void*", key))
-    if code != 0:
-        _pending.pop(key, None)
-        raise CLError("clSetEventCallback", code)
+        return max(0, times[1] - times[0]) * 1e-9, None
+    return 0.0, None  # (a marker or a user event has no profiling information)
 
 
 class CLQueue:
@@ -83,9 +66,27 @@ class CLQueue:
         q = cl.clCreateCommandQueue(device.context, device.device_id, ocl.QUEUE_PROFILING_ENABLE, err)
         check(err[0], "clCreateCommandQueue")
         self.queue = ffi.gc(q, cl.clReleaseCommandQueue)
+        self._events: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
+        self._waiter = threading.Thread(target=self._wait, name=f"cl-waiter-{device.name}", daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        """The waiter thread: waits for each event in order (GIL released), then reports it."""
+        cl, one, times, status = ocl.lib(), ffi.new("cl_event[1]"), ffi.new("cl_ulong[2]"), ffi.new("cl_int*")
+        while (item := self._events.get()) is not None:
+            event, done = item
+            one[0] = event
+            cl.clWaitForEvents(1, one)  # (an error here is the event's: its status tells)
+            seconds, error = _finished(event, times, status)
+            del event, item
+            done(seconds, error)
+
+    def close(self) -> None:
+        """Stop the waiter thread after the events handed to it."""
+        self._events.put(None)
 
     def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
-        """Enqueue ``fn`` after ``waits``; ``done`` is called from the event's callback."""
+        """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
         cl, n = ocl.lib(), len(waits)
         wl = ffi.new("cl_event[]", list(waits)) if n else NULL
         ev = ffi.new("cl_event*")
@@ -103,11 +104,12 @@ class CLQueue:
         else:
             return self._host(fn, args, n, wl, done)
         event = ffi.gc(event, cl.clReleaseEvent)
-        _watch(event, done)
+        self._events.put((event, done))
         return event
 
     def _host(self, fn: Command, args: tuple[Any, ...], n: int, wl: Any, done: Done) -> Any:
-        """A Python command: run from a marker's callback, holding the queue with a user event."""
+        """A Python command: the waiter thread runs it once a marker after its wait list
+        completed, while a user event holds the queue's later commands back."""
         cl, err, marker = ocl.lib(), ffi.new("cl_int*"), ffi.new("cl_event*")
         user = cl.clCreateUserEvent(self.device.context, err)
         check(err[0], "clCreateUserEvent")
@@ -127,7 +129,7 @@ class CLQueue:
             cl.clSetUserEventStatus(user, ocl.COMPLETE)
             done(time.perf_counter() - start, error)
 
-        _watch(marker_event, run)
+        self._events.put((marker_event, run))
         return user
 
 
@@ -335,6 +337,10 @@ class CLDevice(Compiled):
 
     def _make_queue(self, name: str) -> Queue:
         return DriverQueue(self, name, CLQueue(self), context=self.context)
+
+    def _on_close(self) -> None:
+        for q in self.queues.values():
+            q.driver.close()  # type: ignore[attr-defined]
 
     def count(self) -> int:
         """OpenCL devices on this machine, over every platform."""
