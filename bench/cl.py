@@ -161,6 +161,12 @@ def completion_rows(s: Samples, n: int) -> None:
         ocl.check(cl.clEnqueueNDRangeKernel(q, kernel, 3, ffi.NULL, g, ffi.NULL, 0, ffi.NULL, ev), "launch")
         return ffi.gc(ev[0], cl.clReleaseEvent)
 
+    cl.clFinish(q)
+    t = time.perf_counter()
+    for _ in range(n):
+        cl.clEnqueueNDRangeKernel(q, kernel, 3, ffi.NULL, g, ffi.NULL, 0, ffi.NULL, ffi.NULL)
+    s.add("raw cffi|pipelined launch, no event (us)", (time.perf_counter() - t) / n * 1e6)
+    cl.clFinish(q)
     finished = threading.Event()
     count = [0]
 
