@@ -30,7 +30,7 @@ from aiotinyrt.driverqueue import Done, DriverQueue
 from aiotinyrt.graph import _join, _run_calls
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
-from aiotinyrt.renderer import OpenCLRenderer
+from aiotinyrt.kernel import OpenCLRenderer
 
 NULL = ffi.NULL
 Command = Callable[..., Any]
