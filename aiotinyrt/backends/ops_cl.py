@@ -28,9 +28,9 @@ from aiotinyrt.compiler import CompileError, Compiler
 from aiotinyrt.device import Compiled
 from aiotinyrt.driverqueue import Done, DriverQueue
 from aiotinyrt.graph import _join, _run_calls
+from aiotinyrt.kernel import OpenCLRenderer
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
-from aiotinyrt.kernel import OpenCLRenderer
 
 NULL = ffi.NULL
 Command = Callable[..., Any]
