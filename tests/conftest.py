@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# PoCL offers as many CPU devices as POCL_DEVICES names: four, so CL:1 and CL:3 exist (set before
+# the OpenCL loader is first used; subprocesses of tests inherit it).
+os.environ.setdefault("POCL_DEVICES", "pthread pthread pthread pthread")
+
 from aiotinyrt import Device, native
 from tests.fake_driver import FAKEDevice
 from tests.toy_backend import TOYDevice

@@ -1,11 +1,13 @@
 """The async contract, on every compute backend: CPU and NULL (host-run, C ring), TOY (the
-"writing a backend" skeleton: host-run, Python worker kernels) and FAKE (driver-run queues over a
-fake driver that completes commands from its own threads). Each test names the backends it is
+"writing a backend" skeleton: host-run, Python worker kernels), FAKE (driver-run queues over a
+fake driver that completes commands from its own threads) and CL (driver-run, OpenCL on PoCL:
+tests/conftest.py asks PoCL for four devices, so CL:1 and CL:3 exist). Each test names the backends it is
 meaningful on: NULL runs no code, so results are checked only where kernels compute.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -19,15 +21,15 @@ import numpy as np
 import pytest
 
 import aiotinyrt as rt
-from aiotinyrt import Buffer, Device, DeviceError, Program, Signal, dtypes
+from aiotinyrt import Buffer, BufferSpec, Device, DeviceError, Program, Signal, dtypes
 from tests.fake_driver import FAKEDevice
 from tests.helpers import GATE, INC, assert_cancelled_at_entry, fail_command
 
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-COMPUTING = ["CPU", "TOY", "FAKE"]
-EVERY = ["CPU", "NULL", "TOY", "FAKE"]
+COMPUTING = ["CPU", "TOY", "FAKE", "CL"]
+EVERY = ["CPU", "NULL", "TOY", "FAKE", "CL"]
 
 PY_INC = "def inc(out):\n    out.cast('i')[0] += 1\n"
 PY_GATE = """
@@ -40,10 +42,23 @@ def gate(flag, out, value):
     out.cast("i")[0] = value
 """
 
+CL_INC = "__kernel void inc(__global int* out) { out[0] += 1; }"
+#: spins until the host flips flag[0] (in host memory the device uses: CL_MEM_USE_HOST_PTR)
+CL_GATE = """
+__kernel void gate(__global volatile int* flag, __global int* out, int value) {
+  for (long i = 0; i < 20000000000L && !flag[0]; i++) {}
+  out[0] = value;
+}
+"""
+
+
+def _source(device: str, c: str, cl: str, py: str) -> str:
+    backend = device.partition(":")[0]
+    return c if backend in ("CPU", "NULL") else cl if backend == "CL" else py
+
 
 async def inc_program(device: str) -> Program:
-    dev = Device[device]
-    return await dev.program("inc", INC if device.startswith(("CPU", "NULL")) else PY_INC)
+    return await Device[device].program("inc", _source(device, INC, CL_INC, PY_INC))
 
 
 class Gate:
@@ -62,10 +77,17 @@ class Gate:
 
 @asynccontextmanager
 async def gate_on(device: str) -> AsyncIterator[Gate]:
-    prog = await Device[device].program("gate", GATE if device.startswith("CPU") else PY_GATE)
-    flag = await Buffer(device, 1, dtypes.int32).allocate()
+    prog = await Device[device].program("gate", _source(device, GATE, CL_GATE, PY_GATE))
+    if device.startswith("CL"):  # no host views of device memory: the flag is host memory
+        host = mmap.mmap(-1, mmap.PAGESIZE)
+        address = np.frombuffer(host, np.int32).ctypes.data
+        flag = await Buffer(device, 1, dtypes.int32, options=BufferSpec(external_ptr=address)).allocate()
+        view = memoryview(host)
+    else:
+        flag = await Buffer(device, 1, dtypes.int32).allocate()
+        view = await flag.as_memoryview()
     await flag.copyin(np.zeros(1, np.int32))
-    gate = Gate(prog, flag, await flag.as_memoryview())
+    gate = Gate(prog, flag, view)
     try:
         yield gate
     finally:
@@ -346,6 +368,23 @@ async def test_a_driver_run_queue_holds_back_a_command_until_its_host_run_depend
     assert sig.done() and await read(out) == 2
     await out.free()
     await flagged.free()
+
+
+async def test_a_dependency_on_another_queue_of_the_same_driver_context_joins_the_wait_list() -> None:
+    fake = Device["FAKE"]
+    assert isinstance(fake, FAKEDevice)
+    prog = await inc_program("FAKE")
+    out = await int_buffer("FAKE")
+    release = threading.Event()
+    copying = fake._copy_queue.submit(release.wait, (30,))  # pending on the copy queue
+    enqueued = fake.driver.enqueued
+    sig = prog(out, wait_for=[copying])
+    assert fake.driver.enqueued == enqueued + 1, "held back instead of waiting in the driver"
+    assert not sig.done()
+    release.set()
+    await sig
+    assert await read(out) == 1
+    await out.free()
 
 
 EXIT_SCRIPT = """

@@ -1,0 +1,347 @@
+"""CL: OpenCL devices (PoCL here) through the cffi binding in :mod:`aiotinyrt.backends.opencl`.
+
+``CL``, ``CL:1``, ... are the devices of every platform, in the ICD loader's order. Queues are
+driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`): each is one in-order
+``cl_command_queue``; a command is enqueued from the submitting thread with the events it waits
+for as its wait list, and one waiter thread per queue calls ``clWaitForEvents`` on each event in
+order and reports it (docs/architecture.md: measured against ``clSetEventCallback``). Copies are
+non-blocking ``clEnqueueRead/WriteBuffer`` whose host memory the queue keeps alive until their
+event completed. A Python command (not an OpenCL one) runs on the waiter thread once a marker
+after its wait list completed, and a user event holds the queue's later commands until it
+returned. Raw kernels take tinygrad's CL convention: buffers, then ``int`` vals.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio.to_thread
+
+from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
+from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.opencl import CLError, check, ffi
+from aiotinyrt.compiler import CompileError, Compiler
+from aiotinyrt.device import Compiled
+from aiotinyrt.driverqueue import Done, DriverQueue
+from aiotinyrt.graph import _join, _run_calls
+from aiotinyrt.kernel import OpenCLRenderer
+from aiotinyrt.program import Program
+from aiotinyrt.queue import Queue
+
+NULL = ffi.NULL
+Command = Callable[..., Any]
+
+
+def cl_command(fn: Command) -> Command:
+    """Mark ``fn(queue, n_waits, wait_list, *args) -> cl_event`` as an OpenCL command: the driver
+    calls it with the wait list instead of running it on the host."""
+    fn.cl_command = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _finished(event: Any, times: Any, status: Any) -> tuple[float, BaseException | None]:
+    """The device seconds (profiling) and the error of a completed ``event``."""
+    cl = ocl.lib()
+    code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
+    if code != 0 or status[0] < 0:
+        return 0.0, CLError("a command's event (execution status)", status[0] if code == 0 else code)
+    if (
+        cl.clGetEventProfilingInfo(event, ocl.PROFILING_COMMAND_START, 8, times, NULL) == 0
+        and cl.clGetEventProfilingInfo(event, ocl.PROFILING_COMMAND_END, 8, times + 1, NULL) == 0
+    ):
+        return max(0, times[1] - times[0]) * 1e-9, None
+    return 0.0, None  # (a marker or a user event has no profiling information)
+
+
+class CLQueue:
+    """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
+
+    def __init__(self, device: CLDevice) -> None:
+        cl, err = ocl.lib(), ffi.new("cl_int*")
+        self.device = device
+        q = cl.clCreateCommandQueue(device.context, device.device_id, ocl.QUEUE_PROFILING_ENABLE, err)
+        check(err[0], "clCreateCommandQueue")
+        self.queue = ffi.gc(q, cl.clReleaseCommandQueue)
+        self._events: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
+        self._waiter = threading.Thread(target=self._wait, name=f"cl-waiter-{device.name}", daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        """The waiter thread: waits for each event in order (GIL released), then reports it."""
+        cl, one, times, status = ocl.lib(), ffi.new("cl_event[1]"), ffi.new("cl_ulong[2]"), ffi.new("cl_int*")
+        while (item := self._events.get()) is not None:
+            event, done = item
+            one[0] = event
+            cl.clWaitForEvents(1, one)  # (an error here is the event's: its status tells)
+            seconds, error = _finished(event, times, status)
+            del event, item
+            done(seconds, error)
+
+    def close(self) -> None:
+        """Stop the waiter thread after the events handed to it."""
+        self._events.put(None)
+
+    def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
+        """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
+        cl, n = ocl.lib(), len(waits)
+        wl = ffi.new("cl_event[]", list(waits)) if n else NULL
+        ev = ffi.new("cl_event*")
+        if getattr(fn, "cl_command", False):
+            event = fn(self.queue, n, wl, *args)
+        elif fn is _run_calls and all(getattr(f, "cl_command", False) for f, _ in args[0]):
+            event = NULL  # a graph run: its commands in one submission, the first one waits
+            for f, a in args[0]:
+                if event != NULL:
+                    cl.clReleaseEvent(event)
+                event, n, wl = f(self.queue, n, wl, *a), 0, NULL
+        elif fn is _join:
+            check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, ev), "clEnqueueMarkerWithWaitList")
+            event = ev[0]
+        else:
+            return self._host(fn, args, n, wl, done)
+        event = ffi.gc(event, cl.clReleaseEvent)
+        self._events.put((event, done))
+        return event
+
+    def _host(self, fn: Command, args: tuple[Any, ...], n: int, wl: Any, done: Done) -> Any:
+        """A Python command: the waiter thread runs it once a marker after its wait list
+        completed, while a user event holds the queue's later commands back."""
+        cl, err, marker = ocl.lib(), ffi.new("cl_int*"), ffi.new("cl_event*")
+        user = cl.clCreateUserEvent(self.device.context, err)
+        check(err[0], "clCreateUserEvent")
+        user = ffi.gc(user, cl.clReleaseEvent)
+        check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, marker), "clEnqueueMarkerWithWaitList")
+        marker_event = ffi.gc(marker[0], cl.clReleaseEvent)
+        blocked = ffi.new("cl_event[1]", [user])
+        check(cl.clEnqueueBarrierWithWaitList(self.queue, 1, blocked, NULL), "clEnqueueBarrierWithWaitList")
+
+        def run(_: float, error: BaseException | None) -> None:
+            start = time.perf_counter()
+            if error is None:
+                try:
+                    fn(*args)
+                except BaseException as exc:  # the command fails; the device becomes sticky
+                    error = exc
+            cl.clSetUserEventStatus(user, ocl.COMPLETE)
+            done(time.perf_counter() - start, error)
+
+        self._events.put((marker_event, run))
+        return user
+
+
+class CLMemory:
+    """A ``cl_mem`` and the byte range of it a handle covers (views share their base's)."""
+
+    __slots__ = ("arg", "base", "mem", "nbytes", "offset")
+
+    def __init__(self, mem: Any, nbytes: int, offset: int = 0, base: CLMemory | None = None) -> None:
+        self.mem, self.nbytes, self.offset, self.base = mem, nbytes, offset, base
+        self.arg: Any = ffi.new("cl_mem*", mem) if offset == 0 else None  # the kernel argument
+
+    def kernel_arg(self) -> Any:
+        """A ``cl_mem*`` for clSetKernelArg: the buffer, or a sub-buffer for a view."""
+        if self.arg is None:
+            cl, err = ocl.lib(), ffi.new("cl_int*")
+            region = ffi.new("cl_buffer_region*", (self.offset, self.nbytes))
+            sub = cl.clCreateSubBuffer(
+                self.mem, ocl.MEM_READ_WRITE, ocl.BUFFER_CREATE_TYPE_REGION, region, err
+            )
+            check(err[0], f"clCreateSubBuffer (a view at offset {self.offset})")
+            self.arg = ffi.new("cl_mem*", ffi.gc(sub, cl.clReleaseMemObject))
+        return self.arg
+
+
+class CLAllocator(LRUAllocator[CLMemory]):
+    """``clCreateBuffer`` memory; copies are non-blocking enqueues on the copy queue."""
+
+    def __init__(self, device: CLDevice) -> None:
+        super().__init__(device)
+        self.context = device.context
+
+    def _alloc(self, nbytes: int, options: BufferSpec) -> CLMemory:
+        cl, err, flags, host = ocl.lib(), ffi.new("cl_int*"), ocl.MEM_READ_WRITE, NULL
+        if options.external_ptr is not None:
+            flags, host = flags | ocl.MEM_USE_HOST_PTR, ffi.cast("void*", options.external_ptr)
+        elif options.zero:
+            flags, host = flags | ocl.MEM_COPY_HOST_PTR, ffi.from_buffer(bytes(nbytes))
+        mem = cl.clCreateBuffer(self.context, flags, nbytes, host, err)
+        if err[0] in ocl.OUT_OF_MEMORY:
+            raise MemoryError(str(CLError("clCreateBuffer", err[0])))
+        check(err[0], "clCreateBuffer")
+        return CLMemory(mem, nbytes)
+
+    def _free(self, opaque: CLMemory, nbytes: int, options: BufferSpec) -> None:
+        if opaque.base is None:
+            check(ocl.lib().clReleaseMemObject(opaque.mem), "clReleaseMemObject")
+
+    def _offset(self, opaque: CLMemory, nbytes: int, offset: int) -> CLMemory:
+        return CLMemory(opaque.mem, nbytes, opaque.offset + offset, opaque.base or opaque)
+
+    @cl_command
+    def _copyin(self, queue: Any, n: int, wl: Any, dest: CLMemory, src: memoryview) -> Any:
+        ev = ffi.new("cl_event*")
+        host = ffi.from_buffer(src)
+        code = ocl.lib().clEnqueueWriteBuffer(queue, dest.mem, 0, dest.offset, src.nbytes, host, n, wl, ev)
+        check(code, "clEnqueueWriteBuffer")
+        return ev[0]
+
+    @cl_command
+    def _copyout(self, queue: Any, n: int, wl: Any, dest: memoryview, src: CLMemory) -> Any:
+        ev = ffi.new("cl_event*")
+        host = ffi.from_buffer(dest, require_writable=True)
+        code = ocl.lib().clEnqueueReadBuffer(queue, src.mem, 0, src.offset, dest.nbytes, host, n, wl, ev)
+        check(code, "clEnqueueReadBuffer")
+        return ev[0]
+
+    @cl_command
+    def _transfer(
+        self,
+        queue: Any,
+        n: int,
+        wl: Any,
+        dest: CLMemory,
+        src: CLMemory,
+        nbytes: int,
+        src_device: AllocatorOwner,
+    ) -> Any:
+        ev = ffi.new("cl_event*")
+        code = ocl.lib().clEnqueueCopyBuffer(
+            queue, src.mem, dest.mem, src.offset, dest.offset, nbytes, n, wl, ev
+        )
+        check(code, "clEnqueueCopyBuffer")
+        return ev[0]
+
+
+class CLCompiler(Compiler):
+    """``clBuildProgram`` to the device's binary (``CL_PROGRAM_BINARIES``), on a worker thread."""
+
+    def __init__(self, device: CLDevice) -> None:
+        super().__init__("compile_cl")
+        self.device = device
+
+    async def identity(self) -> str:
+        """Platform, device and driver version: the binary is the driver's, for this device."""
+        d = self.device
+        return f"cl {d.platform_version} | {d.device_name} | {d.driver_version} | {d.device_version}"
+
+    async def compile(self, src: str) -> bytes:
+        """Build ``src`` off the loop. Cancellation: abandons the build (it finishes unobserved)."""
+        return await anyio.to_thread.run_sync(self.build, src, abandon_on_cancel=True)
+
+    def build(self, src: str) -> bytes:
+        """Build ``src`` (blocking) and return the device binary; ``CompileError`` with the log."""
+        cl, err, dev = ocl.lib(), ffi.new("cl_int*"), self.device
+        text = ffi.new("char[]", src.encode())
+        prog = cl.clCreateProgramWithSource(dev.context, 1, ffi.new("char*[1]", [text]), NULL, err)
+        check(err[0], "clCreateProgramWithSource")
+        prog = ffi.gc(prog, cl.clReleaseProgram)
+        code = cl.clBuildProgram(prog, 1, dev.device_ids, NULL, NULL, NULL)
+        if code != 0:
+            log = ocl.info_str(
+                lambda p, what, n, out, size: cl.clGetProgramBuildInfo(p, dev.device_id, what, n, out, size),
+                prog,
+                ocl.PROGRAM_BUILD_LOG,
+            )
+            raise CompileError(f"{dev.name}: {CLError('clBuildProgram', code)}", diagnostics=log, src=src)
+        size = ffi.new("size_t*")
+        check(cl.clGetProgramInfo(prog, ocl.PROGRAM_BINARY_SIZES, 8, size, NULL), "clGetProgramInfo")
+        binary = ffi.new("unsigned char[]", size[0])
+        binaries = ffi.new("unsigned char*[1]", [binary])
+        check(cl.clGetProgramInfo(prog, ocl.PROGRAM_BINARIES, 8, binaries, NULL), "clGetProgramInfo")
+        return bytes(ffi.buffer(binary, size[0]))
+
+
+class CLProgram(Program):
+    """A kernel from a device binary (``clCreateProgramWithBinary``); a launch is one
+    ``clSetKernelArg`` per changed argument and ``clEnqueueNDRangeKernel``."""
+
+    def __init__(self, device: CLDevice, name: str, lib: bytes, **kwargs: Any) -> None:
+        super().__init__(device, name, lib, **kwargs)
+        cl, err = ocl.lib(), ffi.new("cl_int*")
+        binary = ffi.from_buffer("unsigned char[]", self.lib)
+        sizes = ffi.new("size_t[1]", [len(self.lib)])
+        prog = cl.clCreateProgramWithBinary(
+            device.context, 1, device.device_ids, sizes, ffi.new("unsigned char*[1]", [binary]), NULL, err
+        )
+        check(err[0], "clCreateProgramWithBinary")
+        self._prog = ffi.gc(prog, cl.clReleaseProgram)
+        check(cl.clBuildProgram(prog, 1, device.device_ids, NULL, NULL, NULL), "clBuildProgram (binary)")
+        kernel = cl.clCreateKernel(prog, name.encode(), err)
+        check(err[0], f"clCreateKernel({name!r})")
+        self._kernel = ffi.gc(kernel, cl.clReleaseKernel)
+        self._lock = threading.Lock()  # a cl_kernel's arguments are state: one launch at a time
+        self._args: tuple[Any, ...] | None = None  # the arguments set last
+        self._sizes: dict[tuple[int, ...], Any] = {}
+
+    def _size(self, size: tuple[int, ...]) -> Any:
+        out = self._sizes.get(size)
+        if out is None:
+            out = self._sizes[size] = ffi.new("size_t[3]", size)
+        return out
+
+    def _launcher(
+        self, handles: tuple[Any, ...], global_size: tuple[int, ...], local_size: Any, vals: tuple[int, ...]
+    ) -> tuple[Any, tuple[Any, ...]]:
+        gsz, lsz = global_size, NULL if local_size is None else self._size(local_size)
+        if self.kernel is not None and local_size is not None:  # rendered: round up, extra items return
+            gsz = tuple(-(-g // ls) * ls for g, ls in zip(global_size, local_size, strict=True))
+        return self._enqueue, (self._size(gsz), lsz, vals, *handles)
+
+    @cl_command
+    def _enqueue(
+        self, queue: Any, n: int, wl: Any, gsz: Any, lsz: Any, vals: tuple[int, ...], *bufs: CLMemory
+    ) -> Any:
+        cl, ev, kernel = ocl.lib(), ffi.new("cl_event*"), self._kernel
+        with self._lock:
+            if self._args != (vals, bufs):
+                for i, buf in enumerate(bufs):
+                    check(
+                        cl.clSetKernelArg(kernel, i, 8, buf.kernel_arg()), f"clSetKernelArg({self.name}, {i})"
+                    )
+                for i, v in enumerate(vals, len(bufs)):
+                    check(
+                        cl.clSetKernelArg(kernel, i, 4, ffi.new("int*", v)),
+                        f"clSetKernelArg({self.name}, {i})",
+                    )
+                self._args = (vals, bufs)
+            code = cl.clEnqueueNDRangeKernel(queue, kernel, 3, NULL, gsz, lsz, n, wl, ev)
+            if code != 0:
+                self._args = None
+                raise CLError(f"clEnqueueNDRangeKernel({self.name})", code)
+        return ev[0]
+
+
+class CLDevice(Compiled):
+    """One OpenCL device: its own context, two in-order queues (compute, copy)."""
+
+    def __init__(self, name: str) -> None:
+        index = int(name.partition(":")[2] or 0)
+        found = ocl.devices()
+        if index >= len(found):
+            raise RuntimeError(f"{name}: no OpenCL device {index}; this machine has {len(found)}")
+        cl, err = ocl.lib(), ffi.new("cl_int*")
+        self.platform, self.device_id = found[index]
+        self.device_ids = ffi.new("cl_device_id[1]", [self.device_id])
+        self.platform_version = ocl.info_str(cl.clGetPlatformInfo, self.platform, ocl.PLATFORM_VERSION)
+        self.device_name = ocl.info_str(cl.clGetDeviceInfo, self.device_id, ocl.DEVICE_NAME)
+        self.driver_version = ocl.info_str(cl.clGetDeviceInfo, self.device_id, ocl.DRIVER_VERSION)
+        self.device_version = ocl.info_str(cl.clGetDeviceInfo, self.device_id, ocl.DEVICE_VERSION)
+        context = cl.clCreateContext(NULL, 1, self.device_ids, NULL, NULL, err)
+        check(err[0], "clCreateContext")
+        self.context = ffi.gc(context, cl.clReleaseContext)
+        super().__init__(name, CLAllocator(self), CLCompiler(self), CLProgram, OpenCLRenderer())
+
+    def _make_queue(self, name: str) -> Queue:
+        return DriverQueue(self, name, CLQueue(self), context=self.context)
+
+    def _on_close(self) -> None:
+        for q in self.queues.values():
+            q.driver.close()  # type: ignore[attr-defined]
+
+    def count(self) -> int:
+        """OpenCL devices on this machine, over every platform."""
+        return len(ocl.devices())

@@ -1,0 +1,261 @@
+"""The CL backend side by side with pyopencl and tinygrad's CL device, same kernel, same PoCL.
+
+    python bench/cl.py                 # 5 repetitions, 20k pipelined launches, 64 MiB copies
+    python bench/cl.py --launches 100000 --reps 3
+
+Every figure is the median over the repetitions; each repetition runs every row once, in the
+same order, so slow phases of a noisy machine hit all columns alike. The kernel is
+``out[0] += 1`` on one int. Also measured: the two completion paths a driver-run queue can take
+(a clSetEventCallback per event, or one waiter thread calling clWaitForEvents in order), on the
+raw binding, and whether two builds of distinct kernels overlap on worker threads. Prints one
+markdown table. Needs pyopencl for its rows (``pip install pyopencl``); tinygrad's rows appear
+when ``tinygrad.runtime.ops_cl`` imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("CACHEDB", os.path.join(tempfile.mkdtemp(prefix="aiotinyrt-bench-"), "cache.db"))
+
+import anyio
+import numpy as np
+from _samples import Samples
+
+from aiotinyrt import Buffer, Device, dtypes
+from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.ops_cl import CLDevice, ffi
+
+SRC = "__kernel void inc(__global int* out) { out[0] += 1; }"
+MiB = 1 << 20
+
+
+def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
+    try:
+        import pyopencl as cl  # type: ignore[import-not-found]
+    except ImportError:
+        s.notes["pyopencl"] = "not installed"
+        return
+    ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+    q = cl.CommandQueue(ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    buf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, 4)
+    kernel = cl.Program(ctx, SRC).build().inc
+    kernel.set_arg(0, buf)
+    g = (1,)
+    q.finish()
+    t = time.perf_counter()
+    for _ in range(n):
+        cl.enqueue_nd_range_kernel(q, kernel, g, None)
+    s.add("pyopencl|pipelined launch (us)", (time.perf_counter() - t) / n * 1e6)
+    q.finish()
+    m = max(n // 20, 200)
+    t = time.perf_counter()
+    for _ in range(m):
+        cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
+    s.add("pyopencl|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+    host = np.ones(nbytes // 4, np.int32)
+    big = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
+    t = time.perf_counter()
+    cl.enqueue_copy(q, big, host, is_blocking=True)
+    s.add("pyopencl|copyin 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+    t = time.perf_counter()
+    cl.enqueue_copy(q, host, big, is_blocking=True)
+    s.add("pyopencl|copyout 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+
+
+_tiny: list[Any] = []
+
+
+def tinygrad_rows(s: Samples, n: int) -> None:
+    try:
+        from tinygrad.device import TinyELF
+        from tinygrad.dtype import dtypes as tdtypes
+        from tinygrad.runtime.ops_cl import CLDevice as TinyCL
+        from tinygrad.runtime.ops_cl import CLProgram as TinyProgram
+    except Exception as exc:
+        s.notes["tinygrad"] = f"not importable ({exc!r})"
+        return
+    if not _tiny:
+        dev = TinyCL("CL")
+        elf = TinyELF(SRC.encode(), "inc", None, (("out", 0, tdtypes.int32, ()),))  # type: ignore[arg-type]
+        _tiny.extend([dev, TinyProgram(dev, elf), dev.allocator.alloc(4)])
+    dev, prog, buf = _tiny
+    dev.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        prog(buf)
+    s.add("tinygrad|pipelined launch (us)", (time.perf_counter() - t) / n * 1e6)
+    dev.synchronize()
+    m = max(n // 20, 200)
+    t = time.perf_counter()
+    for _ in range(m):
+        prog(buf, wait=True)
+    s.add("tinygrad|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+
+
+async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
+    dev = Device["CL"]
+    prog = await dev.program("inc", SRC)
+    buf = await Buffer("CL", 1, dtypes.int32).allocate()
+    await buf.copyin(np.zeros(1, np.int32))
+    await dev.synchronize()
+    t = time.perf_counter()
+    for _ in range(n - 1):
+        prog(buf)
+    await prog(buf)
+    s.add("aiotinyrt|pipelined launch (us)", (time.perf_counter() - t) / n * 1e6)
+    m = max(n // 20, 200)
+    t = time.perf_counter()
+    for _ in range(m):
+        await prog(buf)
+    s.add("aiotinyrt|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+    host = np.ones(nbytes // 4, np.int32)
+    big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
+    t = time.perf_counter()
+    await big.copyin(host)
+    s.add("aiotinyrt|copyin 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+    t = time.perf_counter()
+    await big.copyout(host)
+    s.add("aiotinyrt|copyout 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+    await big.free()
+    sig = prog(buf)
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(1000):
+            tg.start_soon(sig.wait)
+    s.add("aiotinyrt|1,000 concurrent awaits (ms)", (time.perf_counter() - t) * 1e3)
+    await buf.free()
+
+
+_callbacks: dict[int, Callable[[], None]] = {}
+
+
+@ffi.callback("void(cl_event, cl_int, void*)")  # type: ignore[untyped-decorator]
+def _on_complete(event: Any, status: int, user: Any) -> None:
+    _callbacks.pop(int(ffi.cast("uintptr_t", user)))()
+
+
+def completion_rows(s: Samples, n: int) -> None:
+    """Raw binding: n kernels with events; completion by callback vs one waiter thread."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    cl = ocl.lib()
+    q = dev.queues["compute"].driver.queue  # type: ignore[attr-defined]
+    err = ffi.new("cl_int*")
+    built = anyio.run(dev.program, "inc", SRC)
+    mem = dev.allocator.alloc_nowait(4)
+    kernel = built._kernel  # type: ignore[attr-defined]
+    cl.clSetKernelArg(kernel, 0, 8, mem.arg)
+    g = ffi.new("size_t[3]", (1, 1, 1))
+    assert err is not None
+
+    def launch() -> Any:
+        ev = ffi.new("cl_event*")
+        ocl.check(cl.clEnqueueNDRangeKernel(q, kernel, 3, ffi.NULL, g, ffi.NULL, 0, ffi.NULL, ev), "launch")
+        return ffi.gc(ev[0], cl.clReleaseEvent)
+
+    cl.clFinish(q)
+    t = time.perf_counter()
+    for _ in range(n):
+        cl.clEnqueueNDRangeKernel(q, kernel, 3, ffi.NULL, g, ffi.NULL, 0, ffi.NULL, ffi.NULL)
+    s.add("raw cffi|pipelined launch, no event (us)", (time.perf_counter() - t) / n * 1e6)
+    cl.clFinish(q)
+    finished = threading.Event()
+    count = [0]
+
+    def done(_: float, __: BaseException | None) -> None:
+        count[0] += 1
+        if count[0] == n:
+            finished.set()
+
+    events = []
+    t = time.perf_counter()
+    for i in range(n):
+        events.append(launch())
+        _callbacks[i] = lambda: done(0.0, None)
+        cl.clSetEventCallback(events[-1], ocl.COMPLETE, _on_complete, ffi.cast("void*", i))
+    finished.wait()
+    s.add("completion|callback per event (us)", (time.perf_counter() - t) / n * 1e6)
+
+    work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def waiter(report: Callable[[], None]) -> None:
+        while (ev := work.get()) is not None:
+            cl.clWaitForEvents(1, ffi.new("cl_event[1]", [ev]))
+            report()
+
+    finished.clear()
+    count[0] = 0
+    thread = threading.Thread(target=waiter, args=(lambda: done(0.0, None),))
+    thread.start()
+    t = time.perf_counter()
+    for _ in range(n):
+        work.put(launch())
+    finished.wait()
+    s.add("completion|waiter thread (us)", (time.perf_counter() - t) / n * 1e6)
+    work.put(None)
+    thread.join()
+    dev.allocator.free_nowait(mem, 4)
+
+
+def compile_rows(s: Samples, reps: int) -> None:
+    """Two builds of distinct kernels: one after the other vs on two threads (PoCL's kernel cache
+    off, so each build runs LLVM)."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    tag = [0]
+
+    def src() -> str:
+        tag[0] += 1
+        body = " ".join(f"o[{i}] = o[{i}] * {tag[0]} + {i};" for i in range(200))
+        return f"__kernel void k{tag[0]}_{os.getpid()}(__global int* o) {{ {body} }}"
+
+    t = time.perf_counter()
+    dev.compiler.build(src())  # type: ignore[attr-defined]
+    dev.compiler.build(src())  # type: ignore[attr-defined]
+    serial = time.perf_counter() - t
+    threads = [threading.Thread(target=dev.compiler.build, args=(src(),)) for _ in range(2)]  # type: ignore[attr-defined]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    s.add("compile|2 builds, serial (ms)", serial * 1e3)
+    s.add("compile|2 builds, 2 threads (ms)", (time.perf_counter() - t) * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--launches", type=int, default=20000)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    os.environ["POCL_KERNEL_CACHE"] = "0"
+    s = Samples()
+    nbytes = 64 * MiB
+    for _ in range(args.reps):
+        pyopencl_rows(s, args.launches, nbytes)
+        tinygrad_rows(s, args.launches)
+        anyio.run(aiotinyrt_rows, s, args.launches, nbytes)
+        completion_rows(s, args.launches // 4)
+        compile_rows(s, args.reps)
+    print(
+        f"CL device: {Device['CL'].device_name} ({Device['CL'].driver_version}), "  # type: ignore[attr-defined]
+        f"{args.launches} launches, {args.reps} repetitions, medians; {os.cpu_count()} cores"
+    )
+    print("\n| side | measurement | value |\n|---|---|---|")
+    for key in s.values:
+        side, what = key.split("|")
+        print(f"| {side} | {what} | {s.median(key):.2f} |")
+    for side, note in s.notes.items():
+        print(f"| {side} | - | {note} |")
+
+
+if __name__ == "__main__":
+    main()

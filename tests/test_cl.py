@@ -1,0 +1,179 @@
+"""The CL backend (OpenCL on PoCL): discovery, memory, errors, the compiler, and every Kernel of
+the renderer suite executed on CL and compared with the CPU. The async contract runs on CL in
+tests/conformance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices
+from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
+from tests.test_renderer import CASES, Case, run_cpu
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+INC = "__kernel void inc(__global int* out) { out[0] += 1; }"
+
+
+def _in_subprocess(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+
+
+DISCOVER = """
+import aiotinyrt
+from aiotinyrt import Device, get_available_devices
+try:
+    Device["CL"]
+except RuntimeError as exc:
+    print("error:", exc)
+print("available:", get_available_devices())
+"""
+
+
+def test_no_platform_is_a_clear_error_and_cl_is_not_available() -> None:
+    result = _in_subprocess(DISCOVER, OCL_ICD_VENDORS="/nonexistent-icd-dir")
+    assert result.returncode == 0, result.stderr
+    assert "error: CL: the OpenCL ICD loader found no platform" in result.stdout
+    assert "'CL'" not in result.stdout.split("available:")[1]
+
+
+def test_no_icd_loader_is_a_clear_error() -> None:
+    code = "import aiotinyrt.backends.opencl as o\ndef gone(name): raise OSError(name + ': not found')\n"
+    code += "o.ffi.dlopen = gone\n" + DISCOVER
+    result = _in_subprocess(code)
+    assert result.returncode == 0, result.stderr
+    assert "error: CL: no OpenCL ICD loader (libOpenCL.so.1) could be loaded" in result.stdout
+
+
+def test_devices_follow_the_platform_order_and_a_missing_index_is_named() -> None:
+    found = ocl.devices()
+    assert Device["CL"].count() == len(found) == 4  # POCL_DEVICES (tests/conftest.py)
+    dev = Device["CL:1"]
+    assert isinstance(dev, CLDevice) and dev.device_id == found[1][1]
+    assert "CL" in get_available_devices()
+    with pytest.raises(RuntimeError, match="CL:9: no OpenCL device 9; this machine has 4"):
+        Device["CL:9"]
+
+
+async def test_out_of_memory_names_the_device_the_size_and_the_memory_in_use() -> None:
+    held = await Buffer("CL", 1024, dtypes.uint8).allocate()
+    oom = r"CL: out of memory allocating 17592186044416 bytes .*1024 bytes in use.*CL_"
+    with pytest.raises(MemoryError, match=oom):
+        await Device["CL"].allocator.alloc(1 << 44)
+    await held.free()
+
+
+async def test_copies_round_trip_through_views() -> None:
+    buf = await Buffer("CL", 64, dtypes.int32).allocate()
+    await buf.copyin(np.arange(64, dtype=np.int32))
+    view = buf.view(16, dtypes.int32, 32 * 4)
+    await view.copyin(np.full(16, -1, np.int32))
+    out = await buf.numpy()
+    assert out.tolist() == list(range(32)) + [-1] * 16 + list(range(48, 64))
+    await buf.free()
+
+
+async def test_a_kernel_on_a_view_sees_only_the_view() -> None:
+    prog = await Device["CL"].program("inc", INC)
+    buf = await Buffer("CL", 64, dtypes.int32).allocate()
+    await buf.copyin(np.zeros(64, np.int32))
+    await prog(buf.view(1, dtypes.int32, 32 * 4))  # 128 bytes: PoCL's sub-buffer alignment
+    assert (await buf.numpy()).tolist() == [0] * 32 + [1] + [0] * 31
+    await buf.free()
+
+
+async def test_a_build_failure_is_a_compile_error_with_the_build_log() -> None:
+    with pytest.raises(CompileError, match="CL_BUILD_PROGRAM_FAILURE") as info:
+        await Device["CL"].program("broken", "__kernel void broken(__global int* o) { o[0] = nope; }")
+    assert "nope" in info.value.diagnostics
+
+
+async def test_the_binary_is_cached_under_the_device_and_driver_version() -> None:
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    identity = await dev.compiler.identity()
+    assert dev.driver_version in identity and dev.device_name in identity
+    src = f"// {os.urandom(8).hex()}\n" + INC  # a source no earlier run compiled
+    compiles = dev.compiler.compiles
+    lib = await dev.compiler.compile_cached(src)
+    assert await Device["CL:2"].compiler.compile_cached(src) == lib  # same device kind: shared
+    assert dev.compiler.compiles == compiles + 1
+
+
+async def test_an_opencl_error_code_is_a_sticky_device_error_naming_the_code_and_the_call() -> None:
+    dev = Device["CL"]
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    bad = r"clEnqueueNDRangeKernel\(inc\) failed: CL_INVALID_WORK_GROUP_SIZE"
+    with pytest.raises(DeviceError, match=bad):
+        await prog(out, global_size=(3, 1, 1), local_size=(2, 1, 1))  # 3 is no multiple of 2
+    with pytest.raises(DeviceError):
+        await prog(out)  # sticky
+    await dev.reset()
+    await prog(out)
+    assert (await out.numpy())[0] == 1
+    await out.free()
+
+
+async def test_a_failed_event_fails_its_signal_and_the_device_until_reset() -> None:
+    dev = Device["CL"]
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    user = cl.clCreateUserEvent(dev.context, err)
+
+    @cl_command
+    def the_user_event(queue: object, n: int, wl: object) -> object:
+        cl.clRetainEvent(user)  # (the driver releases the command's event)
+        return user  # a command whose event the test fails
+
+    sig = dev._compute_queue.submit(the_user_event, ())
+    assert not sig.done()
+    cl.clSetUserEventStatus(user, -5)  # the command's event fails
+    with pytest.raises(DeviceError, match=r"execution status\) failed: CL_OUT_OF_RESOURCES \(-5\)"):
+        await sig
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    with pytest.raises(DeviceError):
+        await out.copyin(np.zeros(1, np.int32))
+    await dev.reset()
+    await out.copyin(np.zeros(1, np.int32))
+    await prog(out)
+    assert (await out.numpy())[0] == 1
+    cl.clReleaseEvent(user)
+    await out.free()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.kernel.name for c in CASES])
+async def test_every_renderer_kernel_runs_on_cl_and_matches_the_cpu(case: Case) -> None:
+    inputs = case.make_inputs()
+    cpu = await run_cpu(case.kernel, case.global_size, inputs, case.vals)
+    prog = await Device["CL"].program(case.kernel)
+    bufs = []
+    for param, array in zip(case.kernel.buffers, inputs, strict=True):
+        buf = await Buffer("CL", array.size, param.dtype).allocate()
+        await buf.copyin(np.ascontiguousarray(array))
+        bufs.append(buf)
+    await prog(*bufs, vals=case.vals, global_size=case.global_size, local_size=(8, 1, 1))
+    for i, (buf, want) in enumerate(zip(bufs, cpu, strict=True)):
+        got = np.empty_like(want)
+        await buf.copyout(got)
+        await buf.free()
+        if case.exact:
+            assert got.tobytes() == want.tobytes(), f"buffer {i}: {got[:6]} != {want[:6]}"
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"buffer {i}")
