@@ -427,6 +427,50 @@ class Signal:
         await self._settle(None if timeout is None else check_timeout(timeout))
         return self.result()
 
+    def wait_blocking(self, timeout: float | None = None) -> float:
+        """Block the calling thread until the command completes; return its device seconds.
+
+        For synchronous callers outside any event loop (tinygrad's runtime calls, plain scripts,
+        worker threads). ``timeout`` (seconds, None = no limit) raises :class:`TimeoutError`
+        naming the device, the timeline and both values; the work keeps running. Raises the
+        command's :class:`DeviceError` if it failed.
+
+        On a thread running an event loop (asyncio, uvloop, trio) it raises ``RuntimeError``
+        at once, done or not, instead of blocking the loop: ``await sig`` there. The wake-up is
+        an internal waiter: it runs in the worker thread that completes the command (after
+        ``completed`` moved) and sets a ``threading.Event``; no event loop is involved.
+        """
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            trio = sys.modules.get("trio")
+            on_loop = trio is not None and trio.lowlevel.in_trio_run()
+        if on_loop:
+            raise RuntimeError(
+                f"{self!r}: wait_blocking() called on an event-loop thread, where it would block "
+                "the loop; use 'await sig' there, or call it from a worker thread"
+            )
+        timeline, value = self.timeline, self.value
+        if timeline.completed < value and timeline._lib is not None and _POLL_S > 0:
+            deadline = time.perf_counter() + _POLL_S  # a just-submitted native command (see _settle)
+            while timeline.completed < value and time.perf_counter() < deadline:
+                pass
+        if timeline.completed < value:
+            event = threading.Event()
+            waiter = timeline.add_waiter(value, event.set, internal=True, after=True)
+            try:
+                if not event.wait(timeout):
+                    raise TimeoutError(
+                        f"{timeline.device}: timeline {timeline.name} not set to {value}, "
+                        f"but {timeline.completed} after {timeout:g} s (the work keeps running)"
+                    )
+            finally:
+                waiter.callback = None
+        return self.result()
+
     async def _settle(self, timeout: float | None = None) -> None:
         """Wait until done without raising the command's error (see :meth:`wait`)."""
         timeline, value = self.timeline, self.value
