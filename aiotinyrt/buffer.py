@@ -125,6 +125,11 @@ class Buffer:
         Cancellation: a checkpoint at entry; once past it the allocation completes.
         """
         await anyio.lowlevel.checkpoint()
+        return self.allocate_nowait(opaque)
+
+    def allocate_nowait(self, opaque: Any = None) -> Buffer:
+        """Synchronous :meth:`allocate` (the allocation itself never waits), for code that is
+        not async, such as tinygrad's allocator calls."""
         if self._base is not None:
             raise ValueError("a view shares its base's memory; allocate the base buffer instead")
         if self._freed:
@@ -337,16 +342,26 @@ class Buffer:
         self.handle()  # (unallocated or freed: the error before anything else)
         if await self._copy_inline(data, into=True):
             return self
+        await self._enqueue_copy(data, into=True)
+        return self
+
+    def _enqueue_copy(self, data: memoryview, into: bool) -> Signal:
+        """Queue the copy of checked host memory ``data`` in (``into``) or out on the device's
+        copy queue, ordered after the pending work it conflicts with; ``data`` is kept alive
+        until it ran."""
         handle = self.handle()
         device = self.device_obj
         alloc = device.allocator
         queue = device._copy_queue
-        deps = tuple(self.dependencies(queue.timeline, True))
-        call = alloc._native_copyin(handle, data) if queue.native else None
-        sig = queue.submit_either(call, alloc._copyin, (handle, data), deps, (self, data))
-        self.record(sig, True)
-        await sig
-        return self
+        deps = tuple(self.dependencies(queue.timeline, into))
+        if into:
+            call = alloc._native_copyin(handle, data) if queue.native else None
+            sig = queue.submit_either(call, alloc._copyin, (handle, data), deps, (self, data))
+        else:
+            call = alloc._native_copyout(data, handle) if queue.native else None
+            sig = queue.submit_either(call, alloc._copyout, (data, handle), deps, (self, data))
+        self.record(sig, into)
+        return sig
 
     async def copyout(self, dest: object) -> None:
         """Copy the contents into writable host memory of exactly ``nbytes``.
@@ -362,15 +377,7 @@ class Buffer:
         self.device_obj.allocator.check_copyout()
         if await self._copy_inline(data, into=False):
             return
-        handle = self.handle()
-        device = self.device_obj
-        alloc = device.allocator
-        queue = device._copy_queue
-        deps = tuple(self.dependencies(queue.timeline, False))
-        call = alloc._native_copyout(data, handle) if queue.native else None
-        sig = queue.submit_either(call, alloc._copyout, (data, handle), deps, (self, data))
-        self.record(sig, False)
-        await sig
+        await self._enqueue_copy(data, into=False)
 
     async def as_memoryview(self) -> memoryview:
         """The contents as a memoryview of unsigned bytes, after pending writes complete.
@@ -432,8 +439,19 @@ class Buffer:
 
 async def _submit_copy(dest: Buffer, src: Buffer) -> None:
     """Copy ``src`` into ``dest`` on ``dest``'s copy queue and wait for it (``Buffer.copy_from``)."""
-    device = dest.device_obj
     await anyio.lowlevel.checkpoint_if_cancelled()
+    sig = enqueue_copy(dest, src)
+    if sig is None:  # recorded into a capture
+        await anyio.lowlevel.checkpoint()
+    else:
+        await sig
+
+
+def enqueue_copy(dest: Buffer, src: Buffer) -> Signal | None:
+    """Enqueue the copy of ``src`` into ``dest`` on ``dest``'s copy queue, ordered by the hazard
+    rules, without waiting (for synchronous callers: tinygrad's transfers); its Signal, or None
+    when a capture recorded it."""
+    device = dest.device_obj
     device._check_open()
     src_dev = src.device_obj
     src_dev._check_open()  # a closed device's memory is read by no copy, whatever the path
@@ -442,17 +460,16 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
     alloc = device.allocator
     graph = capturing.get()
     if graph is not None:
-        await anyio.lowlevel.checkpoint()
         if alloc.direct_from(src_dev):
             args = (dst_handle, src_handle, dest.nbytes, src_dev)
             graph._record(queue, alloc._transfer, args, (dest, src), [True, False])
-            return
+            return None
         src_dev.allocator.check_copyout()
         staging = memoryview(bytearray(src.nbytes))
         out_args = (staging, src_handle)
         graph._record(src_dev._copy_queue, src_dev.allocator._copyout, out_args, (src,), [False])
         graph._record(queue, alloc._copyin, (dst_handle, staging), (dest,), [True])
-        return
+        return None
     if alloc.direct_from(src_dev):
         deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
         call = alloc._native_transfer(dst_handle, src_handle, dest.nbytes) if queue.native else None
@@ -460,8 +477,7 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
         sig = queue.submit_either(call, alloc._transfer, args, deps, (dest, src))
         src.record(sig, False)
         dest.record(sig, True)
-        await sig
-        return
+        return sig
     # staging through host memory: the source's worker copies out, this worker copies in
     src_dev.allocator.check_copyout()
     staging = memoryview(bytearray(src.nbytes))
@@ -476,4 +492,4 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
     deps = (out_sig, *dest.dependencies(queue.timeline, True))
     in_sig = queue.submit(alloc._copyin, (dst_handle, staging), deps, keep=(dest, staging))
     dest.record(in_sig, True)
-    await in_sig
+    return in_sig
