@@ -24,7 +24,7 @@ Launches recorded in a capture return a Signal that is already failed: awaiting 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -82,6 +82,8 @@ class NativeRun:
     positions: dict[tuple[int, int], list[int]]
     copy_args: Callable[[Any], Any]
     keep: Any
+    #: per entry, the index in ``args`` of its first argument (its vals follow its buffers)
+    starts: list[int] = field(default_factory=list)
 
     def command(self, args: Any) -> _Command:
         """``(fn, nargs, block, keep)``: this replay as one command of a native queue."""
@@ -285,13 +287,26 @@ class Graph:
         Keyword arguments replace named input buffers. Everything is checked before anything is
         enqueued.
         """
+        return self.replay_with(subs)
+
+    def replay_with(
+        self, buffers: Mapping[str, Buffer] | None = None, vals: Mapping[tuple[int, int], int] | None = None
+    ) -> Signal:
+        """:meth:`replay` with the substitutions as mappings: ``buffers`` replaces named inputs,
+        ``vals`` maps ``(command, val)`` to a new value for the int val at index ``val`` of the
+        raw launch recorded ``command``-th (capture order, from 0; as tinygrad's JIT substitutes
+        symbolic variables). Unnamed vals keep their captured values. ``IndexError``,
+        ``TypeError`` or ``ValueError`` before anything is enqueued for a bad one.
+        """
+        subs = dict(buffers or {})
+        valsubs = self._check_val_subs(vals) if vals else {}
         if not self._sealed:
             raise RuntimeError("replay after the capture block has ended")
         if not self._runs:
             raise RuntimeError("the graph is empty: nothing was launched while capturing")
         for dev in self._devices:
             dev._check_open()
-        plans, fast = self._plans_for(subs)
+        plans, fast = self._plans_for(subs, valsubs)
         if fast is not None:
             # in C when every run is a native command and every access it waits for can be
             # waited for there (see native.replayer): the same steps as below, in the same order
@@ -348,7 +363,30 @@ class Graph:
 
     __call__ = replay
 
-    def _plans_for(self, subs: dict[str, Buffer]) -> tuple[list[_Plan], _Fast | None]:
+    def _check_val_subs(self, vals: Mapping[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        """Check ``replay_with``'s vals: the commands exist and are raw launches with that many
+        vals, the values are 32-bit ints."""
+        out: dict[tuple[int, int], int] = {}
+        for (command, index), value in vals.items():
+            if not 0 <= command < len(self._entries):
+                raise IndexError(f"vals: command {command} out of range (the graph has {len(self._entries)})")
+            entry = self._entries[command]
+            program = entry.program
+            count = len(entry.args) - len(entry.bufs) if program is not None and program.kernel is None else 0
+            if count == 0:
+                raise ValueError(f"vals: command {command} ({_describe_entry(entry)}) has no vals to replace")
+            if not 0 <= index < count:
+                raise IndexError(f"vals: val {index} out of range (command {command} has {count})")
+            if type(value) is not int:
+                raise TypeError(f"vals: ({command}, {index}) must be an int, got {value!r}")
+            if not -(2**31) <= value < 2**31:
+                raise ValueError(f"vals: ({command}, {index}) = {value} does not fit a 32-bit int")
+            out[(command, index)] = value
+        return out
+
+    def _plans_for(
+        self, subs: dict[str, Buffer], vals: dict[tuple[int, int], int] | None = None
+    ) -> tuple[list[_Plan], _Fast | None]:
         """Every run's plan for these substitutions (see :meth:`_plan`), and the same for the
         C replay when it applies (see :meth:`_fast_plan`).
 
@@ -360,7 +398,9 @@ class Graph:
         freed buffer makes its plans be rebuilt, which raises the use-after-free error.
         """
         # (ids are safe as a key: the entry holds the buffers, so no other object has their id)
-        key = tuple((name, id(buf)) for name, buf in subs.items())
+        key: tuple[Any, ...] = tuple((name, id(buf)) for name, buf in subs.items())
+        if vals:
+            key += (tuple(sorted(vals.items())),)  # (a tuple: no name equals it)
         cached = self._plan_cache.get(key)
         if cached is not None:
             plans, kept, fast = cached
@@ -371,7 +411,7 @@ class Graph:
                 return plans, fast
             del self._plan_cache[key]
         swap = self._substitutions(subs) if subs else {}
-        plans = [self._plan(run, swap) for run in self._runs]
+        plans = [self._plan(run, swap, vals or {}) for run in self._runs]
         if len(self._plan_cache) >= _PLAN_CACHE:
             self._plan_cache.clear()
         used = {id(buf): buf for buf in subs.values()}
@@ -408,7 +448,7 @@ class Graph:
             runs.append((queue, queue.timeline, queue._caddr, fn, nargs, block, hold, uses, tuple(run.after)))
         return replay, tuple(runs)
 
-    def _plan(self, run: _Run, swap: dict[int, Buffer]) -> _Plan:
+    def _plan(self, run: _Run, swap: dict[int, Buffer], vals: dict[tuple[int, int], int]) -> _Plan:
         """``(fn, args, accesses, keep, command)``: ``fn(*args)`` runs the run on its queue's
         worker, ``command`` (native runs; transfers with a native form) is the same as a native
         queue command. Built once per substitution set (see :meth:`_plans_for`)."""
@@ -424,11 +464,15 @@ class Graph:
             base = actual._base or actual
             if actual._freed or base._freed or base._handle is None:
                 actual.handle()  # raises the use-after-free / unallocated error
+        first, last = run.first, run.first + len(run.entries)
+        own = [(c - first, i, v) for (c, i), v in vals.items() if first <= c < last]
         native = run.native
         if native is not None:
             args = native.args
-            if swap:
+            if swap or own:
                 args = native.copy_args(args)
+                for e, i, v in own:
+                    args[native.starts[e] + len(run.entries[e].bufs) + i] = v & 0xFFFF_FFFF_FFFF_FFFF
                 for (e, b), slots in native.positions.items():
                     new = _swapped(run.entries[e].bufs[b], swap)
                     if new is not None:
@@ -438,10 +482,13 @@ class Graph:
             keep = (run, native, args, accesses)
             return native.cfunc, (native.fns, args), accesses, keep, native.command(args)
         calls = run.calls
-        if swap:
+        if swap or own:
             calls = []
-            for entry in run.entries:
+            for e, entry in enumerate(run.entries):
                 call_args = list(entry.args)
+                for e_own, i, v in own:
+                    if e_own == e:
+                        call_args[len(entry.bufs) + i] = v
                 for b, buf in enumerate(entry.bufs):
                     new = _swapped(buf, swap)
                     if new is not None:
@@ -456,6 +503,13 @@ def _device_of(queue: Queue) -> DeviceLike:
     """The device of a queue that launches and copies were captured on (their queues belong to
     devices; a queue alone knows only the little it needs of its owner)."""
     return cast(DeviceLike, queue.device)
+
+
+def _describe_entry(entry: _Entry) -> str:
+    program = entry.program
+    if program is not None:
+        return f"a launch of {program.name}"
+    return "a copy" if _transfer_owner(entry.fn) is not None else getattr(entry.fn, "__name__", "a command")
 
 
 def _transfer_owner(fn: Callable[..., object]) -> Any:

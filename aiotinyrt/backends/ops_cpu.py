@@ -513,7 +513,9 @@ class CPUDevice(Compiled):
         lines: list[str] = []
         flat: list[int] = []
         positions: dict[tuple[int, int], list[int]] = {}
+        starts: list[int] = []
         for i, entry in enumerate(entries):
+            starts.append(len(flat))
             if is_transfer(entry.fn):  # memmove(dest, src, nbytes): views of one buffer may overlap
                 base = len(flat)
                 dest, src, nbytes, _ = entry.args
@@ -560,4 +562,5 @@ class CPUDevice(Compiled):
             positions=positions,
             copy_args=copy_args,
             keep=(replay, [e.program for e in entries if e.program is not None]),
+            starts=starts,
         )
