@@ -60,7 +60,7 @@ async def test_replay_with_bad_vals_raises_before_anything_is_enqueued() -> None
         graph.replay_with(vals={(5, 0): 1})
     with pytest.raises(IndexError, match="val 2"):
         graph.replay_with(vals={(0, 2): 1})
-    with pytest.raises(ValueError, match="command 1 .* no vals"):
+    with pytest.raises(ValueError, match=r"command 1 .* no vals"):
         graph.replay_with(vals={(1, 0): 1})
     with pytest.raises(TypeError, match="int"):
         graph.replay_with(vals={(0, 0): 1.5})  # type: ignore[dict-item]
