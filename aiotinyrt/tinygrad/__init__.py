@@ -1,0 +1,56 @@
+"""tinygrad on aiotinyrt: ``import aiotinyrt.tinygrad`` makes ``AIO`` (``AIO:1``, ...) a tinygrad
+device run by aiotinyrt (see :mod:`aiotinyrt.tinygrad.backend`), and gives async code an
+awaitable way to run tinygrad models (:func:`realize`, :func:`numpy`, :func:`call`).
+
+It is also a pytest plugin: ``DEV=AIO python -m pytest -p aiotinyrt.tinygrad ...`` runs tinygrad
+tests on aiotinyrt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import tinygrad.runtime
+from tinygrad.device import Device
+
+from aiotinyrt.tinygrad import device
+from aiotinyrt.tinygrad.backend import (
+    AIOAllocator,
+    AIOCompiler,
+    AIOProgram,
+    AIORenderer,
+    aiotinyrt_name,
+    backend_name,
+)
+from aiotinyrt.tinygrad.device import AIODevice
+from aiotinyrt.tinygrad.graph import AIOGraph
+
+__all__ = [
+    "AIOAllocator",
+    "AIOCompiler",
+    "AIODevice",
+    "AIOGraph",
+    "AIOProgram",
+    "AIORenderer",
+    "aiotinyrt_name",
+    "backend_name",
+    "register",
+]
+
+
+def register() -> None:
+    """Make ``AIO`` a tinygrad device (done on import; idempotent). tinygrad finds a device
+    ``X`` as the module ``tinygrad.runtime.ops_x`` with a class ``XDevice``: that module is
+    :mod:`aiotinyrt.tinygrad.device`."""
+    sys.modules["tinygrad.runtime.ops_aio"] = device
+    tinygrad.runtime.ops_aio = device  # type: ignore[attr-defined]
+    if "AIO" not in Device._devices:
+        Device._devices.append("AIO")
+
+
+register()
+
+
+def pytest_report_header() -> str:
+    """pytest plugin hook: say which aiotinyrt backend ``AIO`` runs on."""
+    return f"aiotinyrt.tinygrad: AIO runs on aiotinyrt {backend_name()}"
