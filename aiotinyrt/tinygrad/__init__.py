@@ -14,6 +14,7 @@ import tinygrad.runtime
 from tinygrad.device import Device
 
 from aiotinyrt.tinygrad import device
+from aiotinyrt.tinygrad.aio import call, call_numpy, numpy, realize
 from aiotinyrt.tinygrad.backend import (
     AIOAllocator,
     AIOCompiler,
@@ -34,6 +35,10 @@ __all__ = [
     "AIORenderer",
     "aiotinyrt_name",
     "backend_name",
+    "call",
+    "call_numpy",
+    "numpy",
+    "realize",
     "register",
 ]
 
