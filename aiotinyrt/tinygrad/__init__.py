@@ -14,7 +14,7 @@ import tinygrad.runtime
 from tinygrad.device import Device
 
 from aiotinyrt.tinygrad import device
-from aiotinyrt.tinygrad.aio import call, call_numpy, numpy, realize
+from aiotinyrt.tinygrad.aio import call, call_numpy, copyin, numpy, realize
 from aiotinyrt.tinygrad.backend import (
     AIOAllocator,
     AIOCompiler,
@@ -37,6 +37,7 @@ __all__ = [
     "backend_name",
     "call",
     "call_numpy",
+    "copyin",
     "numpy",
     "realize",
     "register",

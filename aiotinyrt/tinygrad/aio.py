@@ -169,6 +169,26 @@ async def numpy(tensor: Tensor) -> np.ndarray[Any, Any]:
     return out
 
 
+async def copyin(tensor: Tensor, data: object) -> None:
+    """Copy host data (the buffer protocol, exactly the tensor's bytes) into a realized,
+    contiguous AIO tensor, through aiotinyrt's ``Buffer.copyin``: ordered after the pending
+    work using the tensor (a jit replay still reading it as input), never on the loop thread
+    unless small and nothing pending touches it. The way to refill a jit's input tensor.
+
+    ``ValueError`` for a tensor not on one AIO device, not realized, or not contiguous.
+
+    Cancellation: a queued copy: cancels the wait; the copy completes (``data`` kept alive).
+    """
+    aio_devices([tensor])
+    if isinstance(tensor.device, tuple) or not tensor.uop.is_realized or tensor.uop.contiguous_view() is None:
+        raise ValueError(
+            "copyin() needs a realized, contiguous tensor on one AIO device (.contiguous().realize())"
+        )
+    buf = tensor.uop.buffer
+    assert isinstance(buf, TinyBuffer)
+    await buf.ensure_allocated()._buf.copyin(data)
+
+
 def _check_call(fn: object, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Tensor], list[str]]:
     if not isinstance(fn, _TinyJit):
         raise TypeError(f"call() needs a TinyJit function, got {type(fn).__name__}")

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import tinygrad.device as tg_device
-from tinygrad.device import Allocator, TinyELF
 from tinygrad.device import Compiler as TinyCompiler
+from tinygrad.device import LRUAllocator, TinyELF
 from tinygrad.helpers import Target
 from tinygrad.renderer.cstyle import ClangRenderer
 
@@ -178,8 +178,15 @@ def _spec(options: tg_device.BufferSpec) -> BufferSpec:
     return BufferSpec(**dataclasses.asdict(options))
 
 
-class AIOAllocator(Allocator["AIODevice"]):
-    """tinygrad's Allocator interface over aiotinyrt Buffers (bytes) of the wrapped device."""
+class AIOAllocator(LRUAllocator["AIODevice"]):
+    """tinygrad's Allocator interface over aiotinyrt Buffers (bytes) of the wrapped device.
+
+    tinygrad's ``LRUAllocator`` sits on top: tinygrad code relies on a freed buffer's opaque
+    coming back from the cache (a view made before ``free_intermediates`` is used after the base
+    is allocated again), so freed aiotinyrt Buffers are kept for reuse by tinygrad's cache and
+    handed to aiotinyrt's allocator (whose own LRU cache then holds the memory) when tinygrad
+    flushes it (``free_cache``, or out of memory).
+    """
 
     def __init__(self, dev: AIODevice) -> None:
         super().__init__(dev, supports_copy_from_disk=False, supports_transfer=True)
