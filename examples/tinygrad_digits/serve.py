@@ -21,15 +21,15 @@ for one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -305,9 +305,11 @@ def create_app(config: ServerConfig) -> tuple[Starlette, Service]:
         service.batches = service.images = 0
         return JSONResponse({})
 
-    async def lifespan(app: Starlette) -> Any:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
-            await service.start()
+            if not service.ready.is_set():
+                await service.start()
             tg.start_soon(service.run_batcher)
             tg.start_soon(service.lag.run)
             yield
@@ -347,6 +349,7 @@ async def serve(
 ) -> Service:
     """Serve on ``sock`` until ``shutdown_trigger`` returns (asyncio, uvloop or trio)."""
     app, service = create_app(config)
+    await service.start()  # (loading and compiling before hypercorn starts its startup timeout)
     hyper = Config()
     hyper.bind = [f"fd://{sock.detach()}"]
     hyper.accesslog = None

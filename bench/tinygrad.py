@@ -1,0 +1,270 @@
+"""tinygrad models served from async Python: tinygrad's CPU device against AIO, side by side.
+
+    python bench/tinygrad.py            # 2 repetitions, 1200 requests per loaded run (~3-5 min)
+    python bench/tinygrad.py --quick    # 1 repetition, 400 requests
+
+Part 1, serving. Each row starts ``examples/tinygrad_digits/serve.py --mode <mode>`` (the digits
+CNN, the same weights and the same request bodies for every row) in its own process:
+
+(a) ``blocking``: tinygrad's own CPU device, the jitted model called in the request handler;
+(b) ``executor``: the same, in a one-thread executor (what async services do today);
+(c) ``aio``:      AIO, ``await``ed, micro-batched (the example server);
+(d) ``http``:     a control: the same server answering without a model.
+
+Single-request latency: one client, one request at a time (median). Under load: 64 concurrent
+clients (bench/server.py's raw HTTP client), throughput, p50, p99, and the worst lag of a
+ticker task on the server's event loop (``sleep(5 ms)``: how late it woke).
+
+Part 2, per-call cost of a jitted 10-kernel function (in this process): CPU time of the calling
+thread per call, the call only (its work is enqueued, not waited for; the queue is drained
+every 100 calls), on tinygrad's CPU device and on AIO; and for AIO the loop thread's CPU per
+``await aiotinyrt.tinygrad.call(...)`` (the call, the enqueue and the await).
+
+Targets (issue 16): (c) single-request latency no worse than (a); (c) throughput >= 1.5x (b)
+with p99 no worse; (c)'s loop lag over (d)'s <= 1 ms; AIO's per-call cost <= 0.5x CPU's. A
+benchmark, not a test: it prints PASS or MISS and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.streams.text
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from server import git_tree, raw_load  # noqa: E402
+from tinygrad import Device, Tensor, TinyJit  # noqa: E402
+
+import aiotinyrt.tinygrad as aiotg  # noqa: E402
+
+MODES = {
+    "blocking": "(a) tinygrad CPU, in the handler",
+    "executor": "(b) tinygrad CPU, one-thread executor",
+    "aio": "(c) AIO, awaited, micro-batched",
+    "http": "(d) control: HTTP stack, no model",
+}
+
+
+def bodies(count: int = 16) -> list[bytes]:
+    rng = np.random.default_rng(0)
+    return [json.dumps({"images": rng.integers(0, 17, (1, 64)).tolist()}).encode() for _ in range(count)]
+
+
+async def start_server(mode: str) -> tuple[anyio.abc.Process, str]:
+    argv = [
+        sys.executable,
+        str(ROOT / "examples" / "tinygrad_digits" / "serve.py"),
+        "--port",
+        "0",
+        "--mode",
+        mode,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    process = await anyio.open_process(argv, env=env, stderr=None)
+    assert process.stdout is not None
+    output = ""
+    with anyio.fail_after(600):
+        async for chunk in anyio.streams.text.TextReceiveStream(process.stdout):
+            output += chunk
+            if "\n" in output.partition("serving")[2]:
+                break
+    if "serving" not in output:
+        raise RuntimeError(f"the {mode} server did not start:\n{output}")
+    return process, output.partition(" on ")[2].split()[0]
+
+
+async def one_run(mode: str, args: argparse.Namespace, payloads: list[bytes]) -> dict[str, float]:
+    process, url = await start_server(mode)
+    try:
+        warm = 2 * args.concurrency
+        await raw_load(url, requests=warm, concurrency=args.concurrency, batch=1, bodies=payloads)
+        single = await raw_load(url, requests=args.single, concurrency=1, batch=1, bodies=payloads)
+        async with httpx.AsyncClient(base_url=url) as client:
+            await client.post("/stats/reset")
+        report = await raw_load(
+            url, requests=args.requests, concurrency=args.concurrency, batch=1, bodies=payloads
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            stats = (await client.get("/stats")).json()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(60):
+            await process.wait()
+        await process.aclose()
+    return {
+        "single_ms": statistics.median(single.latencies) * 1e3,
+        "throughput": report.throughput,
+        "p50_ms": report.percentile(50) * 1e3,
+        "p99_ms": report.percentile(99) * 1e3,
+        "lag_ms": stats["loop_lag"]["worst_ms"],
+        "batch": stats["mean_batch"] or 1.0,
+        "failed": float(report.requests - report.ok),
+    }
+
+
+def ten_kernel_jit(device: str) -> tuple[Any, Tensor]:
+    x = Tensor(np.ones((16, 16), np.float32), device=device).contiguous().realize()
+
+    @TinyJit
+    def f(t: Tensor) -> Tensor:
+        for i in range(10):
+            t = (t * 1.0001 + i).contiguous()
+        return t.realize()
+
+    for _ in range(3):
+        f(x).numpy()
+    return f, x
+
+
+def per_call_cpu(device: str, calls: int) -> float:
+    """Calling thread's CPU seconds per jitted call (enqueue only; drained every 100 calls)."""
+    f, x = ten_kernel_jit(device)
+    total = 0.0
+    for start in range(0, calls, 100):
+        t0 = time.thread_time()
+        for _ in range(min(100, calls - start)):
+            f(x)
+        total += time.thread_time() - t0
+        Device[device].synchronize()
+    return total / calls
+
+
+async def awaited_call_cpu(calls: int) -> float:
+    """The loop thread's CPU seconds per ``await aiotinyrt.tinygrad.call(...)`` on AIO."""
+    f, x = await anyio.to_thread.run_sync(ten_kernel_jit, "AIO")
+    await aiotg.call(f, x)
+    t0 = time.thread_time()
+    for _ in range(calls):
+        await aiotg.call(f, x)
+    return (time.thread_time() - t0) / calls
+
+
+async def main(args: argparse.Namespace) -> None:
+    payloads = bodies()
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    for rep in range(args.reps):
+        for mode in MODES:
+            run = await one_run(mode, args, payloads)
+            runs[mode].append(run)
+            print(
+                f"  rep {rep + 1}/{args.reps} {mode:<9} single {run['single_ms']:.2f} ms"
+                f"  {run['throughput']:7.1f} req/s  p99 {run['p99_ms']:.1f} ms  lag {run['lag_ms']:.2f} ms",
+                flush=True,
+            )
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    head = [
+        "server",
+        "single request",
+        "requests/s",
+        "p50",
+        "p99",
+        "loop lag worst",
+        "images/batch",
+        "failed",
+    ]
+    rows = [head]
+    for mode, label in MODES.items():
+        worst = max(r["lag_ms"] for r in runs[mode])
+        rows.append(
+            [
+                label,
+                f"{med(mode, 'single_ms'):.2f} ms",
+                f"{med(mode, 'throughput'):.1f}",
+                f"{med(mode, 'p50_ms'):.1f} ms",
+                f"{med(mode, 'p99_ms'):.1f} ms",
+                f"{worst:.2f} ms",
+                f"{med(mode, 'batch'):.1f}",
+                f"{sum(r['failed'] for r in runs[mode]):.0f}",
+            ]
+        )
+    print()
+    print(
+        f"Serving the digits CNN: 1 image per request, {args.concurrency} concurrent clients, "
+        f"{args.requests} requests per loaded run, single-request latency over {args.single} requests, "
+        f"median of {args.reps}"
+    )
+    table(rows)
+
+    cpu_call = per_call_cpu("CPU", args.calls)
+    aio_call = per_call_cpu("AIO", args.calls)
+    awaited = await awaited_call_cpu(args.calls)
+    print()
+    print(
+        f"Per call of a jitted 10-kernel function (16x16 float32), calling thread's CPU, {args.calls} calls"
+    )
+    table(
+        [
+            ["device", "CPU per call (enqueue)", "loop thread per awaited call"],
+            ["tinygrad CPU", f"{cpu_call * 1e6:.0f} µs", "-"],
+            ["AIO", f"{aio_call * 1e6:.0f} µs", f"{awaited * 1e6:.0f} µs"],
+        ]
+    )
+
+    a_single, c_single = med("blocking", "single_ms"), med("aio", "single_ms")
+    b_tp, c_tp = med("executor", "throughput"), med("aio", "throughput")
+    b_p99, c_p99 = med("executor", "p99_ms"), med("aio", "p99_ms")
+    c_lag = max(r["lag_ms"] for r in runs["aio"])
+    d_lag = max(r["lag_ms"] for r in runs["http"])
+    print()
+    verdicts = [
+        (
+            c_single <= a_single,
+            f"(c) single request {c_single:.2f} ms vs (a) {a_single:.2f} ms (target: no worse)",
+        ),
+        (c_tp >= 1.5 * b_tp, f"(c) throughput {c_tp / b_tp:.2f}x (b) (target >= 1.5x)"),
+        (c_p99 <= b_p99, f"(c) p99 {c_p99:.1f} ms vs (b) {b_p99:.1f} ms (target: no worse)"),
+        (
+            c_lag - d_lag <= 1.0,
+            f"(c) loop lag {c_lag:.2f} ms, {c_lag - d_lag:+.2f} ms over (d) (target <= 1 ms)",
+        ),
+        (aio_call <= 0.5 * cpu_call, f"AIO per-call cost {aio_call / cpu_call:.2f}x CPU's (target <= 0.5x)"),
+    ]
+    for ok, line in verdicts:
+        print(f"{'PASS' if ok else 'MISS'}  {line}")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    print(f"\n{machine}, tree {git_tree()}")
+
+
+def table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))]
+        print("| " + " | ".join(cells) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 repetition of 400 requests")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=1200)
+    parser.add_argument("--single", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    if args.quick:
+        args.reps, args.requests, args.single, args.calls = 1, 400, 100, 500
+    anyio.run(main, args)
+
+
+if __name__ == "__main__":
+    cli()
