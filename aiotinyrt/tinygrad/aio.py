@@ -39,6 +39,7 @@ from tinygrad.engine.jit import _TinyJit
 from tinygrad.helpers import all_int
 from tinygrad.tensor import Tensor
 
+from aiotinyrt.allocator import host_bytes
 from aiotinyrt.dtype import dtypes as rt_dtypes
 from aiotinyrt.program import Signal
 from aiotinyrt.tinygrad.device import AIODevice
@@ -73,7 +74,7 @@ def aio_devices(tensors: Sequence[Tensor], what: str = "tensor") -> list[str]:
         if not isinstance(t, Tensor):
             raise TypeError(f"{what} {i} must be a tinygrad Tensor, got {type(t).__name__}")
         for name in t.device if isinstance(t.device, tuple) else (t.device,):
-            if name.split(":")[0] != "AIO":
+            if name is None or name.split(":")[0] != "AIO":
                 raise ValueError(
                     f"{what} {i} is on {name}, not an AIO device; "
                     "create it with device='AIO' or move it with .to('AIO')"
@@ -130,7 +131,7 @@ def _start_copy(x: Tensor) -> tuple[np.ndarray[Any, Any], Signal]:
         raise ValueError("numpy() of a tensor sharded over several devices: gather it on one device first")
     handle = buf.ensure_allocated()._buf
     out = np.empty(x.shape, dtype=_to_np_dtype(x.dtype))
-    data = memoryview(out.reshape(-1).view(np.uint8))
+    data = host_bytes(out, writable=True, what="numpy() destination")
     if handle.nbytes != data.nbytes:
         handle = handle.view(data.nbytes, rt_dtypes.uint8, 0)
     return out, handle._enqueue_copy(data, into=False)
