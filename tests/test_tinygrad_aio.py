@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import pytest
 from tinygrad import Device as TinyDevice
@@ -167,3 +168,15 @@ async def test_a_device_error_surfaces_as_our_device_error() -> None:
     assert isinstance(info.value.cause, ValueError)
     await dev.reset()
     assert (await aiotg.numpy(a + 1)).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+async def test_tinygrads_synchronous_waits_refuse_to_block_an_event_loop() -> None:
+    dev = TinyDevice[AIO]
+    async with gate_on(RT) as gate:
+        held = await int_buffer(RT)
+        gate.launch(held)  # pending: synchronize() would have to wait
+        with pytest.raises(RuntimeError, match="event-loop thread"):
+            dev.synchronize()
+        gate.open()
+        await held.free()
+    await anyio.to_thread.run_sync(dev.synchronize)  # in a worker thread it blocks, and returns
