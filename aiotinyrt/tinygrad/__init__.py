@@ -13,18 +13,11 @@ import sys
 import tinygrad.runtime
 from tinygrad.device import Device
 
-from aiotinyrt.tinygrad import device
+from aiotinyrt.tinygrad import backend
 from aiotinyrt.tinygrad.aio import call, call_numpy, copyin, numpy, realize
-from aiotinyrt.tinygrad.backend import (
-    AIOAllocator,
-    AIOCompiler,
-    AIOProgram,
-    AIORenderer,
-    aiotinyrt_name,
-    backend_name,
-)
-from aiotinyrt.tinygrad.device import AIODevice
+from aiotinyrt.tinygrad.backend import AIOAllocator, AIOCompiler, AIODevice, AIOProgram, AIORenderer
 from aiotinyrt.tinygrad.graph import AIOGraph
+from aiotinyrt.tinygrad.sync import aiotinyrt_name, backend_name
 
 __all__ = [
     "AIOAllocator",
@@ -47,9 +40,9 @@ __all__ = [
 def register() -> None:
     """Make ``AIO`` a tinygrad device (done on import; idempotent). tinygrad finds a device
     ``X`` as the module ``tinygrad.runtime.ops_x`` with a class ``XDevice``: that module is
-    :mod:`aiotinyrt.tinygrad.device`."""
-    sys.modules["tinygrad.runtime.ops_aio"] = device
-    tinygrad.runtime.ops_aio = device  # type: ignore[attr-defined]
+    :mod:`aiotinyrt.tinygrad.backend`."""
+    sys.modules["tinygrad.runtime.ops_aio"] = backend
+    tinygrad.runtime.ops_aio = backend  # type: ignore[attr-defined]
     if "AIO" not in Device._devices:
         Device._devices.append("AIO")
 

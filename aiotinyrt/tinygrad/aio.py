@@ -41,8 +41,8 @@ from tinygrad.tensor import Tensor
 
 from aiotinyrt.allocator import host_bytes
 from aiotinyrt.dtype import dtypes as rt_dtypes
-from aiotinyrt.program import Signal
-from aiotinyrt.tinygrad.device import AIODevice
+from aiotinyrt.signal import Signal
+from aiotinyrt.tinygrad.backend import AIODevice
 
 T = TypeVar("T")
 

@@ -25,71 +25,28 @@ code uses :mod:`aiotinyrt.tinygrad`'s awaitable API instead.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
-import sys
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+import platform
+from typing import Any
 
 import anyio
 import tinygrad.device as tg_device
+from tinygrad.device import Compiled, LRUAllocator, TinyELF
 from tinygrad.device import Compiler as TinyCompiler
-from tinygrad.device import LRUAllocator, TinyELF
 from tinygrad.helpers import Target
 from tinygrad.renderer.cstyle import ClangRenderer
 
-import aiotinyrt
 from aiotinyrt.allocator import BufferSpec
+from aiotinyrt.buffer import Buffer, enqueue_copy
 from aiotinyrt.compiler import CompileError
+from aiotinyrt.compiler import Compiler as RtCompiler
+from aiotinyrt.device import Compiled as RtCompiled
+from aiotinyrt.device import Device as RtDevice
 from aiotinyrt.dtype import dtypes
-
-if TYPE_CHECKING:
-    from aiotinyrt.tinygrad.device import AIODevice
-
-T = TypeVar("T")
-
-#: The aiotinyrt backends whose kernels tinygrad's C renderer can write.
-SUPPORTED_BACKENDS = ("CPU",)
-
-
-def backend_name() -> str:
-    """The aiotinyrt backend ``AIO`` wraps: env ``AIO_BACKEND`` (default ``CPU``)."""
-    return (os.environ.get("AIO_BACKEND") or "CPU").upper()
-
-
-def aiotinyrt_name(device: str) -> str:
-    """The aiotinyrt device behind a tinygrad ``AIO[:n]`` name (``AIO:1`` -> ``CPU:1``)."""
-    head, _, index = device.partition(":")
-    if head.upper() != "AIO":
-        raise ValueError(f"{device!r} is not an AIO device")
-    backend = backend_name()
-    if backend not in SUPPORTED_BACKENDS:
-        raise ValueError(
-            f"AIO_BACKEND={backend!r}: tinygrad's kernels can run on {', '.join(SUPPORTED_BACKENDS)} only"
-        )
-    return aiotinyrt.Device.canonicalize(f"{backend}:{index}" if index else backend)
-
-
-def on_event_loop_thread() -> bool:
-    """True when the calling thread is running an asyncio, uvloop or trio event loop."""
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        trio = sys.modules.get("trio")
-        return trio is not None and bool(trio.lowlevel.in_trio_run())
-
-
-def run_sync(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Run an aiotinyrt coroutine function to completion from synchronous code (a private event
-    loop in this thread). Raises ``RuntimeError`` on an event-loop thread."""
-    if on_event_loop_thread():
-        raise RuntimeError(
-            "tinygrad's synchronous API on an AIO device was called on an event-loop thread, where "
-            "it would block the loop; use aiotinyrt.tinygrad's awaitable API (realize, numpy, call)"
-        )
-    return anyio.run(fn, *args)
+from aiotinyrt.program import Program as RtProgram
+from aiotinyrt.signal import Signal
+from aiotinyrt.tinygrad.graph import AIOGraph
+from aiotinyrt.tinygrad.sync import aiotinyrt_name, run_sync
 
 
 # ---- Compiler and Renderer -------------------------------------------------------------------------
@@ -100,8 +57,8 @@ class AIOCompiler(TinyCompiler):
         super().__init__(None)  # tinygrad's disk cache is not used: aiotinyrt's is
         self.device = device
 
-    def _rt_compiler(self) -> aiotinyrt.Compiler:
-        return aiotinyrt.Device[aiotinyrt_name(self.device)].compiler
+    def _rt_compiler(self) -> RtCompiler:
+        return RtDevice[aiotinyrt_name(self.device)].compiler
 
     def compile_cached(self, src: str) -> bytes:
         """Source -> shared object through aiotinyrt's caches; compile errors become tinygrad's
@@ -132,13 +89,13 @@ class AIOProgram(tg_device.Program["AIODevice"]):
 
     def __init__(self, dev: AIODevice, obj: TinyELF) -> None:
         self.dev, self.name, self.signature = dev, obj.name, obj.signature
-        self.program: aiotinyrt.Program = dev.rt.runtime(obj.name, obj.lib)
+        self.program: RtProgram = dev.rt.runtime(obj.name, obj.lib)
         #: position of the thread index among all arguments (buffers then vals), if threaded
         self.core_slot = next((slot for name, slot, *_ in obj.signature if name == "core_id"), None)
 
     def __call__(
         self,
-        *bufs: aiotinyrt.Buffer,
+        *bufs: Buffer,
         global_size: tuple[int, ...] = (1, 1, 1),
         local_size: tuple[int, ...] | None = None,
         vals: tuple[int | None, ...] = (),
@@ -191,17 +148,17 @@ class AIOAllocator(LRUAllocator["AIODevice"]):
     def __init__(self, dev: AIODevice) -> None:
         super().__init__(dev, supports_copy_from_disk=False, supports_transfer=True)
 
-    def _alloc(self, size: int, options: tg_device.BufferSpec) -> aiotinyrt.Buffer:
-        return aiotinyrt.Buffer(self.dev.rt.name, size, dtypes.uint8, _spec(options)).allocate_nowait()
+    def _alloc(self, size: int, options: tg_device.BufferSpec) -> Buffer:
+        return Buffer(self.dev.rt.name, size, dtypes.uint8, _spec(options)).allocate_nowait()
 
-    def _free(self, opaque: aiotinyrt.Buffer, options: tg_device.BufferSpec) -> None:
+    def _free(self, opaque: Buffer, options: tg_device.BufferSpec) -> None:
         if not opaque.freed and not self.dev.rt.closed:
             opaque.free_nowait()  # deferred until the work using it completes
 
-    def _offset(self, buf: aiotinyrt.Buffer, size: int, offset: int) -> aiotinyrt.Buffer:
+    def _offset(self, buf: Buffer, size: int, offset: int) -> Buffer:
         return buf.view(size, dtypes.uint8, offset)
 
-    def _copyin(self, dest: aiotinyrt.Buffer, src: memoryview) -> None:
+    def _copyin(self, dest: Buffer, src: memoryview) -> None:
         """Host -> device, finished on return (the source may change afterwards): on the calling
         thread when small and nothing pending touches the bytes, else queued and waited for."""
         data = memoryview(src).cast("B")
@@ -212,7 +169,7 @@ class AIOAllocator(LRUAllocator["AIODevice"]):
         except anyio.WouldBlock:
             dest._enqueue_copy(data, into=True).wait_blocking()
 
-    def _copyout(self, dest: memoryview, src: aiotinyrt.Buffer) -> None:
+    def _copyout(self, dest: memoryview, src: Buffer) -> None:
         """Device -> host, finished on return (after the pending writes of ``src``)."""
         data = memoryview(dest).cast("B")
         if data.nbytes != src.nbytes:
@@ -222,13 +179,40 @@ class AIOAllocator(LRUAllocator["AIODevice"]):
         except anyio.WouldBlock:
             src._enqueue_copy(data, into=False).wait_blocking()
 
-    def _transfer(
-        self, dest: aiotinyrt.Buffer, src: aiotinyrt.Buffer, sz: int, src_dev: AIODevice, dest_dev: AIODevice
-    ) -> None:
+    def _transfer(self, dest: Buffer, src: Buffer, sz: int, src_dev: AIODevice, dest_dev: AIODevice) -> None:
         """``AIO:n`` -> ``AIO:m``: an aiotinyrt copy on the destination's copy queue, ordered
         after the pending writes of ``src`` and accesses of ``dest``; not waited for."""
         if dest.nbytes != sz:
             dest = dest.view(sz, dtypes.uint8, 0)
         if src.nbytes != sz:
             src = src.view(sz, dtypes.uint8, 0)
-        dest.device_obj._enqueue_copy(dest, src)
+        enqueue_copy(dest, src)
+
+
+# ---- Device ------------------------------------------------------------------------------------------
+def _arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "aarch64": "arm64"}.get(machine, machine) + ",native"
+
+
+class AIODevice(Compiled):
+    """A tinygrad device backed by the aiotinyrt device ``aiotinyrt_name(device)``."""
+
+    def __init__(self, device: str) -> None:
+        self.rt: RtCompiled = RtDevice[aiotinyrt_name(device)]
+        super().__init__(device, AIOAllocator(self), [AIORenderer], AIOProgram, AIOGraph, arch=_arch())
+
+    def synchronize(self, timeout: int | None = None) -> None:
+        """Block until everything submitted to the device so far completed (``timeout`` in ms);
+        raises the device's sticky ``DeviceError``. ``RuntimeError`` on an event-loop thread."""
+        limit = None if timeout is None else timeout / 1000
+        for timeline in self.rt.timelines:
+            sig = Signal(timeline, timeline.submitted)
+            if not sig.done():
+                sig.wait_blocking(limit)
+        error = self.rt._error
+        if error is not None:
+            raise error
+
+    def finalize(self) -> None:
+        """At interpreter exit: nothing to do (aiotinyrt finalizes its devices itself)."""

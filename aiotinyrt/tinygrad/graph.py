@@ -18,10 +18,10 @@ from tinygrad.engine.jit import MultiGraphRunner
 from tinygrad.uop import Ops
 from tinygrad.uop.ops import UOp
 
-import aiotinyrt
+from aiotinyrt.buffer import Buffer, enqueue_copy
 from aiotinyrt.graph import Graph
-from aiotinyrt.program import _capturing
-from aiotinyrt.tinygrad.backend import AIOProgram, run_sync
+from aiotinyrt.queue import capturing
+from aiotinyrt.tinygrad.sync import run_sync
 
 
 def _symbolic(dims: Any) -> bool:
@@ -39,7 +39,7 @@ class AIOGraph(MultiGraphRunner):
         #: graph input name -> (jit input slot, index in a multi-device input)
         self.inputs: dict[str, tuple[int, int]] = {}
         zero = dict.fromkeys(self.vars, 0)  # captured values; every call substitutes the real ones
-        token = _capturing.set(graph)
+        token = capturing.set(graph)
         try:
             for j, ((dev_idx, ast, bufs, device_vars), runtime) in enumerate(
                 zip(self.calls, self.runtimes, strict=True)
@@ -51,7 +51,7 @@ class AIOGraph(MultiGraphRunner):
                     self.inputs[name] = (slot, dev_idx)
                 first = len(graph)
                 if ast.op is Ops.PROGRAM:
-                    assert isinstance(runtime, AIOProgram)
+                    assert runtime is not None  # (an AIOProgram)
                     var_vals = {**zero, **device_vars}
                     global_size, local_size = ast.arg.launch_dims(var_vals)
                     runtime(
@@ -59,10 +59,10 @@ class AIOGraph(MultiGraphRunner):
                     )
                 else:  # a COPY between AIO devices
                     dest, src = handles
-                    dest.device_obj._enqueue_copy(dest, src)
+                    enqueue_copy(dest, src)
                 self.commands[j] = range(first, len(graph))
         finally:
-            _capturing.reset(token)
+            capturing.reset(token)
         run_sync(graph._seal)
         self.graph = graph
 
@@ -80,7 +80,7 @@ class AIOGraph(MultiGraphRunner):
     ) -> float | None:
         """Replay with this call's inputs and variable values; returns at once unless ``wait``
         (then the replay's device seconds, blocking: see :meth:`Signal.wait_blocking`)."""
-        buffers: dict[str, aiotinyrt.Buffer] = {}
+        buffers: dict[str, Buffer] = {}
         for name, (slot, dev_idx) in self.inputs.items():
             buf = input_uops[slot].buffer
             if isinstance(buf, MultiBuffer):
