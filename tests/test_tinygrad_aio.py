@@ -180,3 +180,19 @@ async def test_tinygrads_synchronous_waits_refuse_to_block_an_event_loop() -> No
         gate.open()
         await held.free()
     await anyio.to_thread.run_sync(dev.synchronize)  # in a worker thread it blocks, and returns
+
+
+def test_a_jit_mixing_threaded_kernels_and_a_symbolic_shrink_replays_correctly() -> None:
+    # (on CPU, tinygrad's test_hcq_core_id_runtimevar_merge; it skips on any other device name)
+    n = 1 << 18  # large enough for tinygrad to split the kernels over threads (core_id)
+    x = Tensor.arange(2 * n).clone(AIO).realize()
+
+    @TinyJit
+    def f(t: Tensor, start: Variable) -> tuple[Tensor, Tensor]:
+        return (t + 1).contiguous().realize(), t.shrink(((start, start + n),)).contiguous().realize()
+
+    for offset in (0, 5, 7, 100):
+        y, z = f(x, Variable("a", 0, n).bind(offset))
+        assert y.shape == (2 * n,) and z.shape == (n,)
+        assert (y.numpy()[[0, -1]] == [1, 2 * n]).all()
+        assert (z.numpy()[[0, -1]] == [offset, offset + n - 1]).all()
