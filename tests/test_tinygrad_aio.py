@@ -1,7 +1,7 @@
 """tinygrad on aiotinyrt: the AIO device (synchronous tinygrad) and the awaitable API.
 
 Every async test runs on asyncio, trio and uvloop. Work is held back with the gate kernel on
-the aiotinyrt device behind ``AIO:5`` (tests/test_signals.py), so "the launch has not run yet"
+the aiotinyrt device behind ``AIO:5`` (tests/helpers.py), so "the launch has not run yet"
 is a fact, not a timing guess.
 """
 
@@ -18,7 +18,7 @@ from tinygrad import Tensor, TinyJit, Variable
 import aiotinyrt as rt
 import aiotinyrt.tinygrad as aiotg
 from aiotinyrt import DeviceError
-from tests.test_signals import fail_command, gate_on, int_buffer
+from tests.helpers import fail_command, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,7 @@
 Called in a thread that runs no event loop it blocks until the command completes and returns its
 device seconds (or raises its ``DeviceError``, or ``TimeoutError``); on an event-loop thread
 (asyncio, uvloop, trio) it raises ``RuntimeError`` instead of blocking the loop. Pending work is
-held by the gate kernel (tests/test_signals.py), so "still running when the timeout expires" is
+held by the gate kernel (tests/helpers.py), so "still running when the timeout expires" is
 a fact, not a timing guess.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import DeviceError, Signal
-from tests.test_signals import INC, fail_command, gate_on, int_buffer
+from tests.helpers import INC, fail_command, gate_on, int_buffer
 
 pytestmark = pytest.mark.anyio
 
