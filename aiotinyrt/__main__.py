@@ -1,540 +1,69 @@
-"""Command line: ``python -m aiotinyrt demo [--loop asyncio|trio|uvloop]`` and ``... devices``.
+"""Command line: ``python -m aiotinyrt [--version] [COMMAND]``.
 
-The demo lists the devices, compiles and times a kernel, then serves the digits MLP (weights and
-held-out images in ``aiotinyrt/data/digits_mlp.npz``, trained by
-``examples/inference_server/train.py``) as a two-stage pipeline over ``CPU`` and ``CPU:1``, and
-prints accuracy, throughput and timings. It needs nothing beyond the package's own dependencies.
+With no command it prints a table of every backend (:mod:`aiotinyrt.machine`); ``demo`` runs
+:mod:`aiotinyrt.demo`, ``devices`` lists the devices that open, ``trace FILE`` summarizes a
+``PROFILE`` trace (:mod:`aiotinyrt.trace`). ``--help`` after any command describes its options.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import math
-import statistics
-import sys
-import time
-import zipfile
-from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any
 
 import anyio
 
-from aiotinyrt import (
-    Buffer,
-    Compiled,
-    Device,
-    Program,
-    Signal,
-    dtypes,
-    get_available_devices,
-    native,
-    synchronize,
-)
-from aiotinyrt.helpers import fmt_time
+from aiotinyrt import __version__, demo, get_available_devices, machine
 
-SAXPY = """
-void saxpy(float* restrict out, const float* restrict x, const float* restrict y, int n, int a) {
-  for (int i = 0; i < n; i++) out[i] = (float)a * x[i] + y[i];
-}
-"""
-
-
-def _table(rows: list[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
-async def _spinner(message: str, done: anyio.Event) -> None:
-    frames = "|/-\\"
-    i = 0
-    start = time.perf_counter()
-    while not done.is_set():
-        if sys.stdout.isatty():
-            print(f"\r{message} {frames[i % 4]} {time.perf_counter() - start:4.1f} s", end="", flush=True)
-        i += 1
-        with anyio.move_on_after(0.1):
-            await done.wait()
-    if sys.stdout.isatty():
-        print("\r" + " " * (len(message) + 12) + "\r", end="", flush=True)
-
-
-def _grid(rows: Sequence[Sequence[str]]) -> str:
-    """Rows of cells as aligned columns (first column left, the others right); the first row is
-    the header, underlined."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-
-    def line(row: Sequence[str]) -> str:
-        cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))]
-        return "  " + "  ".join(cells).rstrip()
-
-    rule = "  " + "  ".join("-" * w for w in widths)
-    return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:])])
-
-
-async def demo() -> None:
-    """Lists devices, compiles and runs a kernel on CPU and CPU:1, prints timings, then runs the
-    digits MLP as a pipeline over CPU and CPU:1 (see :func:`digits_demo`)."""
-    print(f"aiotinyrt demo on {anyio.get_current_task().name and _loop_name()}")
-    await native.prepare()  # the first run on a machine builds the native queue: not on the loop
-    devices = get_available_devices()
-    print(f"devices: {', '.join(devices)} (default: {Device.DEFAULT})\n")
-    cpu = Device["CPU"]
-    rows: list[tuple[str, str]] = []
-
-    print("compiling saxpy ...", flush=True)
-    done = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_spinner, "compiling saxpy", done)
-        start = time.perf_counter()
-        prog = await cpu.program("saxpy", SAXPY)
-        compile_s = time.perf_counter() - start
-        done.set()
-    start = time.perf_counter()
-    await cpu.program("saxpy", SAXPY)
-    rows.append(("compile (first call this process)", fmt_time(compile_s)))
-    rows.append(("compile (cache hit)", fmt_time(time.perf_counter() - start)))
-
-    n = 1 << 22
-    x = array("f", range(n))
-    y = array("f", [1.0]) * n
-    bx = await Buffer("CPU", n, dtypes.float32).allocate()
-    by = await Buffer("CPU", n, dtypes.float32).allocate()
-    out = await Buffer("CPU", n, dtypes.float32).allocate()
-    start = time.perf_counter()
-    await bx.copyin(x)
-    await by.copyin(y)
-    rows.append((f"copyin 2 x {n * 4 >> 20} MiB", fmt_time(time.perf_counter() - start)))
-    kernel_s = await cpu.run(prog, out, bx, by, vals=(n, 3))
-    rows.append((f"saxpy over {n} floats (device time)", fmt_time(kernel_s)))
-    result = array("f", bytes(n * 4))
-    start = time.perf_counter()
-    await out.copyout(memoryview(result).cast("B"))
-    rows.append((f"copyout {n * 4 >> 20} MiB", fmt_time(time.perf_counter() - start)))
-    ok = all(result[i] == 3 * x[i] + 1 for i in (0, 1, n // 2, n - 1))
-    rows.append(("result check", "ok" if ok else "WRONG"))
-
-    small = [await Buffer("CPU", 16, dtypes.float32).allocate() for _ in range(3)]
-    launches = 20_000
-    start = time.perf_counter()
-    for _ in range(launches):
-        sig = prog(*small, vals=(16, 2))
-    submitted = time.perf_counter() - start
-    await sig
-    total = time.perf_counter() - start
-    rows.append((f"{launches} pipelined launches: submit", fmt_time(submitted / launches) + " / launch"))
-    rows.append((f"{launches} pipelined launches: total", fmt_time(total / launches) + " / launch"))
-    start = time.perf_counter()
-    for _ in range(1000):
-        await cpu.run(prog, *small, vals=(16, 2))
-    rows.append(("launch + await round trip", fmt_time((time.perf_counter() - start) / 1000)))
-
-    # two devices working at once: the same kernel on CPU and CPU:1
-    cpu1 = Device["CPU:1"]
-    prog1 = await cpu1.program("saxpy", SAXPY)
-    ins1 = [await Buffer("CPU:1", n, dtypes.float32).allocate() for _ in range(3)]
-    await ins1[1].copy_from(bx)
-    await ins1[2].copy_from(by)
-    reps = 8
-    start = time.perf_counter()
-    for _ in range(reps):
-        prog(out, bx, by, vals=(n, 3))
-    await cpu.synchronize()
-    one = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(reps // 2):
-        prog(out, bx, by, vals=(n, 3))
-        prog1(ins1[0], ins1[1], ins1[2], vals=(n, 3))
-    await synchronize(cpu, cpu1)
-    two = time.perf_counter() - start
-    rows.append((f"{reps} saxpys on CPU", fmt_time(one)))
-    rows.append((f"{reps} saxpys split over CPU and CPU:1", f"{fmt_time(two)} ({one / two:.2f}x)"))
-
-    for buf in (bx, by, out, *small, *ins1):
-        await buf.free()
-    await synchronize()
-    stats = cpu.allocator.statistics()
-    rows.append(("CPU allocator", f"{stats.bytes_in_use} B in use, {stats.bytes_cached} B cached"))
-    print(_table(rows))
-    print()
-    await digits_demo()
-
-
-# ---- the digits MLP, served as a pipeline ------------------------------------------------------------
-# The kernels of the digits MLP, shared with examples/inference_server/mlp.py (which imports them):
-# raw C in tinygrad's convention, weights packed once on the device in blocks of 16 outputs.
-KERNELS = r"""
-#include <math.h>
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
-
-static void dense(float* restrict out, const float* restrict x, const float* restrict w,
-                  const float* restrict b, int rows, int n_in, int n_out, int relu) {
-  for (int o0 = 0; o0 < n_out; o0 += 16) {
-    const float* restrict wt = w + (long)o0 * n_in;
-    int no = n_out - o0 < 16 ? n_out - o0 : 16;
-    float bias[16] = {0};
-    for (int o = 0; o < no; o++) bias[o] = b[o0 + o];
-    int r0 = 0;
-    for (; r0 + 6 <= rows; r0 += 6) {
-      f8 b0 = *(const f8*)bias, b1 = *(const f8*)(bias + 8);
-      f8 a[6][2] = {{b0, b1}, {b0, b1}, {b0, b1}, {b0, b1}, {b0, b1}, {b0, b1}};
-      const float* restrict xr = x + (long)r0 * n_in;
-      for (int k = 0; k < n_in; k++) {
-        f8 w0 = *(const f8*)(wt + 16 * k), w1 = *(const f8*)(wt + 16 * k + 8);
-        for (int r = 0; r < 6; r++) {
-          float v = xr[(long)r * n_in + k];
-          a[r][0] += v * w0;
-          a[r][1] += v * w1;
-        }
-      }
-      for (int r = 0; r < 6; r++) {
-        float* dst = out + (long)(r0 + r) * n_out + o0;
-        for (int o = 0; o < no; o++) {
-          float v = o < 8 ? a[r][0][o] : a[r][1][o - 8];
-          dst[o] = relu && v < 0.0f ? 0.0f : v;
-        }
-      }
-    }
-    for (; r0 < rows; r0++) {
-      f8 a0 = *(const f8*)bias, a1 = *(const f8*)(bias + 8);
-      const float* restrict xr = x + (long)r0 * n_in;
-      for (int k = 0; k < n_in; k++) {
-        a0 += xr[k] * *(const f8*)(wt + 16 * k);
-        a1 += xr[k] * *(const f8*)(wt + 16 * k + 8);
-      }
-      float* dst = out + (long)r0 * n_out + o0;
-      for (int o = 0; o < no; o++) {
-        float v = o < 8 ? a0[o] : a1[o - 8];
-        dst[o] = relu && v < 0.0f ? 0.0f : v;
-      }
-    }
-  }
+_LOOPS = {
+    "asyncio": ("asyncio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+    "trio": ("trio", {}),
 }
 
-/* out = relu(x @ w + b) for `rows` rows */
-void dense_relu(float* restrict out, const float* restrict x, const float* restrict w,
-                const float* restrict b, int rows, int n_in, int n_out) {
-  dense(out, x, w, b, rows, n_in, n_out, 1);
-}
 
-/* probs = softmax(x @ w + b) per row, classes = argmax */
-void dense_softmax(float* restrict probs, int* restrict classes, const float* restrict x,
-                   const float* restrict w, const float* restrict b, int rows, int n_in, int n_out) {
-  dense(probs, x, w, b, rows, n_in, n_out, 0);
-  for (int r = 0; r < rows; r++) {
-    float* p = probs + (long)r * n_out;
-    int best = 0;
-    for (int o = 1; o < n_out; o++) if (p[o] > p[best]) best = o;
-    float top = p[best], sum = 0.0f;
-    for (int o = 0; o < n_out; o++) { p[o] = expf(p[o] - top); sum += p[o]; }
-    for (int o = 0; o < n_out; o++) p[o] /= sum;
-    classes[r] = best;
-  }
-}
-
-/* row-major w[n_in][n_out] -> packed (see dense) */
-void pack_dense(float* restrict packed, const float* restrict w, int n_in, int n_out) {
-  int padded = (n_out + 15) / 16 * 16;
-  for (int o0 = 0; o0 < padded; o0 += 16)
-    for (int k = 0; k < n_in; k++)
-      for (int j = 0; j < 16; j++)
-        packed[(long)o0 * n_in + k * 16 + j] = o0 + j < n_out ? w[(long)k * n_out + o0 + j] : 0.0f;
-}
-
-static unsigned mix32(unsigned x) {
-  x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
-  return x;
-}
-
-/* random packed weights, He-uniform (limit sqrt(6 / n_in), for ReLU layers), and zero bias */
-void init_dense(float* restrict packed, float* restrict b, int n_in, int n_out, int seed) {
-  int padded = (n_out + 15) / 16 * 16;
-  float limit = sqrtf(6.0f / (float)n_in);
-  for (int o0 = 0; o0 < padded; o0 += 16)
-    for (int k = 0; k < n_in; k++)
-      for (int j = 0; j < 16; j++) {
-        unsigned h = mix32((unsigned)seed * 0x9e3779b9U ^ mix32((unsigned)(k * n_out + o0 + j)));
-        float u = (float)(h >> 8) * (1.0f / 16777216.0f);
-        packed[(long)o0 * n_in + k * 16 + j] = o0 + j < n_out ? (2.0f * u - 1.0f) * limit : 0.0f;
-      }
-  for (int o = 0; o < n_out; o++) b[o] = 0.0f;
-}
-"""
-
-_NPY_TYPECODES = {"<f4": "f", "|u1": "B", "<u1": "B"}
-
-
-def read_npz(path: Any) -> dict[str, tuple[array[Any], tuple[int, ...]]]:
-    """The arrays of a ``.npz`` (float32 and uint8, C order) as ``name -> (array, shape)``, no numpy."""
-    out: dict[str, tuple[array[Any], tuple[int, ...]]] = {}
-    with zipfile.ZipFile(path) as zf:
-        for member in zf.namelist():
-            data = zf.read(member)
-            if data[:6] != b"\x93NUMPY":
-                raise ValueError(f"{member} is not a .npy array")
-            size_bytes = 2 if data[6] == 1 else 4
-            start = 8 + size_bytes
-            header_len = int.from_bytes(data[8:start], "little")
-            header = ast.literal_eval(data[start : start + header_len].decode("latin1"))
-            typecode = _NPY_TYPECODES.get(header["descr"])
-            if typecode is None or header["fortran_order"]:
-                raise ValueError(f"{member}: unsupported array {header}")
-            values = array(typecode)
-            values.frombytes(data[start + header_len :])
-            if sys.byteorder == "big":
-                values.byteswap()
-            out[member.removesuffix(".npy")] = (values, tuple(header["shape"]))
-    return out
-
-
-@dataclass
-class _Layer:
-    n_in: int
-    n_out: int
-    weights: array[float] | None = None  # row-major; None: random, generated on the device
-    bias: array[float] | None = None
-
-
-@dataclass
-class _Stage:
-    device: Compiled
-    layers: list[_Layer]
-    progs: dict[str, Program]
-    weights: list[tuple[Buffer, Buffer]] = field(default_factory=list)
-    buffers: list[list[Buffer]] = field(default_factory=list)  # per slot: input, one per layer
-    signals: list[Signal] = field(default_factory=list)  # launches, for the device time
-
-
-class _DemoPipeline:
-    """The model's layers split into consecutive stages, one per device, weights resident on
-    each; ``slots`` micro-batches in flight, activations moved with ``copy_from``."""
-
-    def __init__(self, stages: list[_Stage], classes: list[Buffer], max_rows: int) -> None:
-        self.stages = stages
-        self.classes = classes
-        self.max_rows = max_rows
-        self.free = list(range(len(classes)))
-        self.ready = anyio.Semaphore(len(classes))
-        self.latencies: list[float] = []  # seconds from taking a slot to the result
-
-    @classmethod
-    async def create(
-        cls, layers: list[_Layer], devices: list[str], slots: int, max_rows: int
-    ) -> _DemoPipeline:
-        n = len(devices)
-        bounds = [round(i * len(layers) / n) for i in range(n + 1)]
-        stages = []
-        for s, name in enumerate(devices):
-            dev = Device[name]
-            progs = {
-                k: await dev.program(k, KERNELS)
-                for k in ("dense_relu", "dense_softmax", "pack_dense", "init_dense")
-            }
-            stage = _Stage(dev, layers[bounds[s] : bounds[s + 1]], progs)
-            for j, layer in enumerate(stage.layers):
-                packed = await Buffer(
-                    name, layer.n_in * -(-layer.n_out // 16) * 16, dtypes.float32
-                ).allocate()
-                bias = await Buffer(name, layer.n_out, dtypes.float32).allocate()
-                if layer.weights is None:
-                    progs["init_dense"](packed, bias, vals=(layer.n_in, layer.n_out, bounds[s] + j))
-                else:
-                    async with Buffer(name, len(layer.weights), dtypes.float32) as raw:
-                        await raw.copyin(layer.weights)
-                        await dev.run(progs["pack_dense"], packed, raw, vals=(layer.n_in, layer.n_out))
-                    await bias.copyin(layer.bias)
-                stage.weights.append((packed, bias))
-            for _ in range(slots):
-                sizes = [stage.layers[0].n_in] + [layer.n_out for layer in stage.layers]
-                stage.buffers.append(
-                    [await Buffer(name, max_rows * k, dtypes.float32).allocate() for k in sizes]
-                )
-            stages.append(stage)
-        classes = [await Buffer(devices[-1], max_rows, dtypes.int32).allocate() for _ in range(slots)]
-        await synchronize(*(stage.device for stage in stages))
-        return cls(stages, classes, max_rows)
-
-    async def infer(self, pixels: array[float], rows: int) -> tuple[array[float], array[int]]:
-        """One micro-batch: copy in, every stage, copy out. Takes a slot for its duration."""
-        f32 = dtypes.float32
-        async with self.ready:
-            slot = self.free.pop()
-            start = time.perf_counter()
-            try:
-                prev: Buffer | None = None
-                for s, stage in enumerate(self.stages):
-                    bufs = stage.buffers[slot]
-                    x = bufs[0].view(rows * stage.layers[0].n_in, f32)
-                    await (x.copyin(pixels) if prev is None else x.copy_from(prev))
-                    for j, (layer, (w, b)) in enumerate(zip(stage.layers, stage.weights, strict=True)):
-                        vals = (rows, layer.n_in, layer.n_out)
-                        if s == len(self.stages) - 1 and j == len(stage.layers) - 1:
-                            sig = stage.progs["dense_softmax"](
-                                bufs[j + 1], self.classes[slot], x, w, b, vals=vals, writes=(0, 1)
-                            )
-                        else:
-                            sig = stage.progs["dense_relu"](bufs[j + 1], x, w, b, vals=vals, writes=(0,))
-                        stage.signals.append(sig)
-                        x = bufs[j + 1].view(rows * layer.n_out, f32)
-                    prev = x
-                assert prev is not None
-                probs = array("f", bytes(prev.nbytes))
-                classes = array("i", bytes(4 * rows))
-                await prev.copyout(memoryview(probs).cast("B"))
-                await self.classes[slot].view(rows, dtypes.int32).copyout(memoryview(classes).cast("B"))
-                self.latencies.append(time.perf_counter() - start)
-                return probs, classes
-            finally:
-                self.free.append(slot)
-
-    def device_seconds(self) -> list[float]:
-        """Kernel time per stage since the last call."""
-        out = []
-        for stage in self.stages:
-            out.append(sum(sig.result() for sig in stage.signals))
-            stage.signals.clear()
-        return out
-
-    async def aclose(self) -> None:
-        for stage in self.stages:
-            for buf in [b for pair in stage.weights for b in pair] + [
-                b for bufs in stage.buffers for b in bufs
-            ]:
-                await buf.free()
-        for buf in self.classes:
-            await buf.free()
-
-
-async def _measure(
-    pipe: _DemoPipeline, images: array[float], count: int, rows: int, passes: int
-) -> tuple[float, list[int]]:
-    """Run ``passes`` over ``count`` images in micro-batches of ``rows``, as concurrent tasks.
-    Returns (seconds, the predicted classes of the first pass)."""
-    predicted = [0] * count
-
-    async def one(start: int, first: bool) -> None:
-        n = min(rows, count - start)
-        _, classes = await pipe.infer(images[start * 64 : (start + n) * 64], n)
-        if first:
-            predicted[start : start + n] = classes.tolist()
-
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for p in range(passes):
-            for i in range(0, count, rows):
-                tg.start_soon(one, i, p == 0)
-    return time.perf_counter() - start, predicted
-
-
-async def digits_demo(*, passes: int = 10, wide: int = 1024, wide_images: int = 2048) -> None:
-    """The digits MLP (trained weights) and a wider one of the same shape (random weights), each
-    run on CPU alone (one micro-batch at a time) and as a CPU -> CPU:1 pipeline (4 in flight)."""
-    path = resources.files("aiotinyrt") / "data" / "digits_mlp.npz"
-    with resources.as_file(path) as file:
-        arrays = read_npz(file)
-    scale = arrays["input_scale"][0][0]
-    layers: list[_Layer] = []
-    while f"w{len(layers)}" in arrays:
-        i = len(layers)
-        (w, (n_in, n_out)), (b, _) = arrays[f"w{i}"], arrays[f"b{i}"]
-        layers.append(_Layer(n_in, n_out, array("f", [v * scale for v in w]) if i == 0 else w, b))
-    test_images = array("f", arrays["test_images"][0])
-    labels = arrays["test_labels"][0]
-    widths = [layers[0].n_in] + [layer.n_out for layer in layers]
-    print(
-        f"digits MLP {'-'.join(map(str, widths))}, held-out set of {len(labels)} images "
-        f"(weights: aiotinyrt/data/digits_mlp.npz)"
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m aiotinyrt`` (every subcommand and option with help)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m aiotinyrt",
+        description="aiotinyrt, an async/await-native device runtime. With no command: a table of "
+        "every backend (whether it opens and why not, compiler, renderer, count(), queues, memory).",
     )
-
-    done = anyio.Event()
-    start = time.perf_counter()
-    print("compiling the MLP kernels ...", flush=True)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_spinner, "compiling the MLP kernels", done)
-        for name in ("CPU", "CPU:1"):
-            await Device[name].program("dense_relu", KERNELS)
-        done.set()
-    compile_s = time.perf_counter() - start
-
-    wide_layers = [_Layer(64, wide), _Layer(wide, wide), _Layer(wide, wide), _Layer(wide, 10)]
-    wide_pixels = array("f", [float((i * 7919) % 17) for i in range(wide_images * 64)])
-    rows_out = [["model", "run", "images/s", "batch p50", "batch p99", "kernel time per stage", "accuracy"]]
-    accuracies = []
-    for model, model_layers, pixels, count, n_passes in (
-        ("digits", layers, test_images, len(labels), passes),
-        (f"random-{wide}", wide_layers, wide_pixels, wide_images, 1),
-    ):
-        for label, devices, slots in (
-            ("CPU, 1 in flight", ["CPU"], 1),
-            ("CPU -> CPU:1, 4 in flight", ["CPU", "CPU:1"], 4),
-        ):
-            pipe = await _DemoPipeline.create(model_layers, devices, slots=slots, max_rows=32)
-            await _measure(pipe, pixels, min(count, 64), 32, 1)  # warm-up
-            pipe.device_seconds()
-            pipe.latencies.clear()
-            seconds, predicted = await _measure(pipe, pixels, count, 32, n_passes)
-            stage_s = pipe.device_seconds()
-            await pipe.aclose()
-            lat = sorted(pipe.latencies)
-            if model == "digits":
-                correct = sum(int(p == y) for p, y in zip(predicted, labels, strict=True))
-                accuracies.append(correct / len(labels))
-                acc = f"{correct / len(labels):.4f}"
-            else:
-                acc = "-"
-            rows_out.append(
-                [
-                    model,
-                    label,
-                    f"{count * n_passes / seconds:,.0f}",
-                    fmt_time(statistics.median(lat)),
-                    fmt_time(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]),
-                    " + ".join(fmt_time(t) for t in stage_s),
-                    acc,
-                ]
-            )
-    print(_grid(rows_out))
-    print(
-        f"  kernels compiled in {fmt_time(compile_s)} (cached on disk); micro-batches of 32 images; "
-        f"{passes} passes over the held-out set"
+    parser.add_argument("--version", action="version", version=f"aiotinyrt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p_demo = sub.add_parser(
+        "demo",
+        help="compile and time a kernel, then serve the digits MLP over CPU and CPU:1",
+        description="Compile and time a kernel on CPU, compare one and two devices beside the "
+        "machine's parallel ceiling, then run the digits MLP as a CPU -> CPU:1 pipeline.",
     )
-    ok = all(a >= 0.95 for a in accuracies)
-    print(
-        f"  held-out accuracy through the served path: {accuracies[-1]:.4f} ({'ok' if ok else 'BELOW 0.95'})"
+    p_demo.add_argument(
+        "--loop",
+        choices=list(_LOOPS),
+        default="asyncio",
+        help="event loop to run on (trio needs the trio extra, uvloop the uvloop package; default: asyncio)",
     )
-
-
-def _loop_name() -> str:
-    try:
-        import asyncio
-
-        asyncio.get_running_loop()
-        return "asyncio"
-    except RuntimeError:
-        return "trio"
+    sub.add_parser("devices", help="list the devices that open here, one per line", description="")
+    sub.add_parser(
+        "info",
+        help="the table of every backend (the same as no command)",
+        description="Open every backend and print whether it opens (or the exact reason it does not), "
+        "its compiler and version, renderer, count(), queues and their kind, and memory in use.",
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aiotinyrt")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="list devices, compile and run a kernel, print timings")
-    p_demo.add_argument("--loop", choices=["asyncio", "uvloop", "trio"], default="asyncio")
-    sub.add_parser("devices", help="list the devices that open here")
-    args = parser.parse_args(argv)
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command in (None, "info"):
+        print(machine.format_reports(machine.backend_reports(), __version__))
+        return 0
     if args.command == "devices":
         for name in get_available_devices():
             print(name)
         return 0
-    backend, options = {
-        "asyncio": ("asyncio", {}),
-        "uvloop": ("asyncio", {"use_uvloop": True}),
-        "trio": ("trio", {}),
-    }[args.loop]
-    anyio.run(demo, backend=backend, backend_options=options)
-    return 0
+    backend, options = _LOOPS[args.loop]
+    status: int = anyio.run(demo.main, backend=backend, backend_options=options)
+    return status
 
 
 if __name__ == "__main__":

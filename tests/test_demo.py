@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiotinyrt import __main__ as demo
+from aiotinyrt import digits as demo
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "aiotinyrt" / "data" / "digits_mlp.npz"

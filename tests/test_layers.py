@@ -25,7 +25,7 @@ LAYERS: list[list[str]] = [
     ["device"],
     ["host"],
     ["backends"],
-    ["tinygrad", "trace"],
+    ["tinygrad", "trace", "machine", "digits"],
     ["demo"],
     ["__init__"],
     ["__main__"],

@@ -28,7 +28,7 @@ from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
-from aiotinyrt.helpers import debug_level, find_cc, getenv
+from aiotinyrt.helpers import debug_level, find_cc, getenv, getenv_str
 from aiotinyrt.host import elf
 from aiotinyrt.kernel import ClangRenderer, Kernel, cpu_threads
 from aiotinyrt.program import Program
@@ -476,8 +476,11 @@ class CPUDevice(Compiled):
     def __init__(self, name: str) -> None:
         cc = find_cc()
         if cc is None:
+            env = getenv_str("CC")
+            found = f"CC={env!r} is not an executable on PATH" if env else "no clang, gcc or cc on PATH"
             raise RuntimeError(
-                "the CPU device needs a C compiler: set CC, or install clang (apt-get install -y clang)"
+                f"the CPU device needs a C compiler and finds none ({found}): install clang "
+                "(apt-get install -y clang) or gcc, or set CC to a C compiler"
             )
         #: How many threads one rendered-kernel launch may use.
         self.threads = max(1, getenv("CPU_THREADS", os.cpu_count() or 1))

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 from aiotinyrt import Buffer, Compiled, Device, Program, Signal, dtypes
-from aiotinyrt.__main__ import KERNELS
+from aiotinyrt.digits import KERNELS
 
 N_PIXELS = 64  #: 8 x 8 input pixels, 0..16
 N_CLASSES = 10
@@ -42,7 +42,7 @@ TILE = 16  #: weights are packed in blocks of 16 output columns (see KERNELS)
 # block of 16 outputs, ``n_in`` rows of 16 weights (zero past ``n_out``). The micro-kernel keeps a
 # 6 x 16 block of outputs in AVX registers (clang/gcc vector extensions).
 # The kernels ship inside the package, which runs them in its demo without this repository:
-# ``KERNELS`` in aiotinyrt/__main__.py.
+# ``KERNELS`` in aiotinyrt/digits.py.
 
 
 def packed_size(n_in: int, n_out: int) -> int:
