@@ -23,12 +23,13 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio.lowlevel
 
-from aiotinyrt.helpers import debug_level, format_bytes, getenv
+from aiotinyrt.helpers import debug_level, format_bytes, get_logger, getenv
 from aiotinyrt.lifetime import keep_forever
 from aiotinyrt.queue import Queue
 from aiotinyrt.signal import Signal, abandoned, when_all_done
 
 T = TypeVar("T")
+_log = get_logger("allocator")
 
 
 class AllocatorOwner(Protocol):
@@ -284,7 +285,7 @@ class Allocator(Generic[T]):
         with self._lock:
             self._account_alloc(opaque, nbytes, spec, hit=False)
         if debug_level() >= 7:
-            print(f"{self.device.name}: alloc {format_bytes(nbytes)} ({self._in_use} in use)")
+            _log.debug("%s: alloc %s (%d in use)", self.device.name, format_bytes(nbytes), self._in_use)
         return opaque
 
     def _alloc_checked(self, nbytes: int, spec: BufferSpec) -> T:
@@ -414,11 +415,13 @@ class Allocator(Generic[T]):
         with self._lock:
             self._in_use -= nbytes
             self._live -= 1
-            if self._put_cached(opaque, nbytes, spec):
-                return
+            cached = self._put_cached(opaque, nbytes, spec)
         if debug_level() >= 7:
-            print(f"{self.device.name}: free {format_bytes(nbytes)}")
-        self._free(opaque, nbytes, spec)
+            how = "to the cache" if cached else "to the backend"
+            name, size = self.device.name, format_bytes(nbytes)
+            _log.debug("%s: free %s %s (%d in use)", name, size, how, self._in_use)
+        if not cached:
+            self._free(opaque, nbytes, spec)
 
     def _put_cached(self, opaque: T, nbytes: int, spec: BufferSpec) -> bool:
         return False

@@ -23,13 +23,15 @@ from aiotinyrt.allocator import Allocator
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
 from aiotinyrt.graph import Graph, capture
-from aiotinyrt.helpers import debug_level
+from aiotinyrt.helpers import debug_level, get_logger
 from aiotinyrt.kernel import Kernel, Renderer
 from aiotinyrt.lifetime import close_timeout, exit_join_s, fork_generation, forked_error_message
 from aiotinyrt.program import Program
 from aiotinyrt.queue import HostQueue, Queue
 from aiotinyrt.registry import _DeviceRegistry
 from aiotinyrt.signal import DeviceError, Signal
+
+_log = get_logger("device")
 
 
 class Compiled:
@@ -60,7 +62,7 @@ class Compiled:
         self._closed = False
         self._generation = fork_generation()  # a forked child refuses to use this device
         if debug_level() >= 1:
-            print(f"opened device {name} ({type(self).__name__})")
+            _log.debug("opened device %s (%s)", name, type(self).__name__)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -41,9 +41,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from aiotinyrt.helpers import debug_level, fmt_time, getenv_str
+from aiotinyrt.helpers import debug_level, fmt_time, get_logger, getenv_str
 from aiotinyrt.queue import QueueOwner, describe
 from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, when_all_done
+
+_log = get_logger("queue")
 
 #: ``done(seconds, error)``: the driver's report that a command completed (error None: it ran).
 Done = Callable[[float, BaseException | None], None]
@@ -299,7 +301,9 @@ class DriverQueue:
             if error is not None:
                 timeline._record_failure(value, value, error)
             if debug >= 2:
-                print(f"{timeline.label}@{value}: {describe(sig._fn, sig._keep)} {fmt_time(seconds)}")
+                _log.debug(
+                    "%s@%d: %s %s", timeline.label, value, describe(sig._fn, sig._keep), fmt_time(seconds)
+                )
             sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
             timeline.advance(value)
         when_all_done(late, self._advance, after=True)

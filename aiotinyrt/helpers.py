@@ -1,15 +1,31 @@
-"""Small shared helpers: environment variables, DEBUG levels, arithmetic."""
+"""Small shared helpers: environment variables, DEBUG levels and logging, arithmetic.
+
+DEBUG output goes through the standard :mod:`logging` module, to the logger ``aiotinyrt`` and its
+children (``aiotinyrt.device``, ``aiotinyrt.queue``, ``aiotinyrt.compiler``, ``aiotinyrt.allocator``,
+``aiotinyrt.native``), all at level ``DEBUG``. The environment variable ``DEBUG=n`` chooses which
+messages are produced (1 opens, 2 per-launch timing, 4 kernel source, 7 alloc/free: some cost
+work, e.g. per-launch timing runs every command through the Python worker) and turns them on: it
+sets the ``aiotinyrt`` logger to ``DEBUG`` unless the application set a level, and where nothing
+handles log records (no handler on it or on the root logger) adds one writing to stderr. A service
+routes the records like any other library's.
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 import os
 import shlex
 import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+#: The package's logger; modules log to children of it (see :func:`get_logger`).
+logger = logging.getLogger("aiotinyrt")
+_handler: list[logging.Handler] = []
 
 
 def getenv(key: str, default: int = 0) -> int:
@@ -62,8 +78,28 @@ def env_wait_timeout() -> float | None:
 
 
 def debug_level() -> int:
-    """The current DEBUG level (1 opens, 2 per-launch timing, 4 source, 7 alloc/free)."""
-    return getenv("DEBUG")
+    """The current DEBUG level (1 opens, 2 per-launch timing, 4 source, 7 alloc/free). A level
+    above 0 turns the ``aiotinyrt`` logger on (see the module docstring)."""
+    level = getenv("DEBUG")
+    if level > 0 and not _handler:
+        _enable_debug_logging()
+    return level
+
+
+def _enable_debug_logging() -> None:
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.DEBUG)
+    handler: logging.Handler = logging.NullHandler()
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    _handler.append(handler)
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger ``aiotinyrt.<name>``."""
+    return logger.getChild(name)
 
 
 def prod(xs: Iterable[int]) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
 from aiotinyrt import native
-from aiotinyrt.helpers import debug_level, fmt_time, getenv_str
+from aiotinyrt.helpers import debug_level, fmt_time, get_logger, getenv_str
 from aiotinyrt.lifetime import keep_forever, warn_abandoned
 from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, wait_in_thread
 
@@ -98,6 +98,7 @@ capturing: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("aio
 _SPINS = 64
 _yield_gil = time.sleep
 _new_object = object.__new__
+_log = get_logger("queue")
 
 
 class HostQueue:
@@ -365,7 +366,7 @@ class HostQueue:
                 sig._elapsed = perf() - start
                 if debug >= 2:
                     name = describe(fn, sig._keep)
-                    print(f"{self.timeline.label}@{value}: {name} {fmt_time(sig._elapsed)}")
+                    _log.debug("%s@%d: %s %s", self.timeline.label, value, name, fmt_time(sig._elapsed))
                 if self.profile is not None:
                     self.profile.append((describe(fn, sig._keep), start, sig._elapsed))
             else:

@@ -28,7 +28,7 @@ from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
-from aiotinyrt.helpers import debug_level, find_cc, getenv, getenv_str
+from aiotinyrt.helpers import debug_level, find_cc, get_logger, getenv, getenv_str
 from aiotinyrt.host import elf
 from aiotinyrt.kernel import ClangRenderer, Kernel, cpu_threads
 from aiotinyrt.program import Program
@@ -62,6 +62,9 @@ def _native_memmove(dest: int, src: int, nbytes: int, keep: object) -> tuple[int
     """A native queue command: ``memmove(dest, src, nbytes)`` (views of one buffer may overlap)."""
     block = native.ffi.new("uint64_t[3]", [dest, src, nbytes])
     return _MEMMOVE, 3, int(native.ffi.cast("uintptr_t", block)), (block, keep)
+
+
+_log = get_logger("compiler")
 
 
 class ClangCompiler(Compiler):
@@ -105,7 +108,7 @@ class ClangCompiler(Compiler):
         Cancellation: the compiler process is killed and its temporary files removed.
         """
         if debug_level() >= 4:
-            print(src)
+            _log.debug("compiling:\n%s", src)
         # the source goes through a file, not stdin: a compiler that dies early must not turn
         # into a broken pipe on our side
         tmp = await anyio.to_thread.run_sync(_write_source, src)

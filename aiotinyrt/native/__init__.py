@@ -69,7 +69,7 @@ import anyio.to_thread
 import cffi
 
 from aiotinyrt import cachedir
-from aiotinyrt.helpers import cache_path, debug_level, find_cc, getenv, getenv_str
+from aiotinyrt.helpers import cache_path, debug_level, find_cc, get_logger, getenv, getenv_str
 
 _DIR = Path(__file__).parent
 #: The files of the library: the ring and run loop, and the extension module's two files.
@@ -124,6 +124,7 @@ ffi = cffi.FFI()
 ffi.cdef(CDEF)
 
 _lock = threading.Lock()
+_log = get_logger("native")
 _loaded: list[Any] = []  # [lib or None] once load() ran
 
 
@@ -172,7 +173,7 @@ def _compile(cc: list[str], sources: tuple[str, ...], flags: list[str], tag: str
                 os.unlink(tmp)
         if debug_level() >= 1:
             stderr = getattr(exc, "stderr", b"") or b""
-            print(f"aiotinyrt: native queue ({tag}) not built: {exc}\n{stderr.decode(errors='replace')}")
+            _log.debug("native queue (%s) not built: %s\n%s", tag, exc, stderr.decode(errors="replace"))
         return None
     return target
 
@@ -219,7 +220,7 @@ def _installed() -> tuple[Any, Any] | None:
         return None
     if getattr(module, "SOURCE_DIGEST", None) != source_digest():
         if debug_level() >= 1:
-            print("aiotinyrt: the installed native queue was built from other sources; building anew")
+            _log.debug("the installed native queue was built from other sources; building anew")
         return None
     return ffi.dlopen(spec.origin), module
 
