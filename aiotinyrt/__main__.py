@@ -11,7 +11,7 @@ import argparse
 
 import anyio
 
-from aiotinyrt import __version__, demo, get_available_devices, machine
+from aiotinyrt import __version__, demo, get_available_devices, machine, trace
 
 _LOOPS = {
     "asyncio": ("asyncio", {}),
@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Open every backend and print whether it opens (or the exact reason it does not), "
         "its compiler and version, renderer, count(), queues and their kind, and memory in use.",
     )
+    p_trace = sub.add_parser(
+        "trace",
+        help="summarize a PROFILE trace: busy share per queue, top kernels, copy bandwidth, idle gaps",
+        description="Read a Chrome-trace JSON written with PROFILE=1 (or PROFILE=path) and print a "
+        "summary; --png also draws a timeline (needs matplotlib: pip install 'aiotinyrt[plot]').",
+    )
+    p_trace.add_argument("file", help="the trace file (aiotinyrt_profile.json for PROFILE=1)")
+    p_trace.add_argument("--png", metavar="OUT", help="also draw the timeline into this PNG file")
+    p_trace.add_argument("--top", type=int, default=10, help="how many kernels to list (default: 10)")
     return parser
 
 
@@ -61,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in get_available_devices():
             print(name)
         return 0
+    if args.command == "trace":
+        return trace.main(args.file, png=args.png, top=args.top)
     backend, options = _LOOPS[args.loop]
     status: int = anyio.run(demo.main, backend=backend, backend_options=options)
     return status

@@ -23,6 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio.lowlevel
 
+from aiotinyrt import recorder
 from aiotinyrt.helpers import debug_level, format_bytes, get_logger, getenv
 from aiotinyrt.lifetime import keep_forever
 from aiotinyrt.queue import Queue
@@ -180,6 +181,8 @@ class Allocator(Generic[T]):
         # while this thread holds it
         self._lock = threading.RLock()
         self._in_use = 0
+        #: (time, bytes in use) at every allocation and free while profiling (see aiotinyrt.recorder)
+        self.memory_trace: list[tuple[float, int]] | None = [] if recorder.start() else None
         self._peak = 0
         self._live = 0
         self._hits = 0
@@ -314,6 +317,8 @@ class Allocator(Generic[T]):
         self._in_use += nbytes
         self._live += 1
         self._peak = max(self._peak, self._in_use)
+        if self.memory_trace is not None:
+            self.memory_trace.append((recorder.now(), self._in_use))
         if hit:
             self._hits += 1
         else:
@@ -416,6 +421,8 @@ class Allocator(Generic[T]):
             self._in_use -= nbytes
             self._live -= 1
             cached = self._put_cached(opaque, nbytes, spec)
+            if self.memory_trace is not None:
+                self.memory_trace.append((recorder.now(), self._in_use))
         if debug_level() >= 7:
             how = "to the cache" if cached else "to the backend"
             name, size = self.device.name, format_bytes(nbytes)

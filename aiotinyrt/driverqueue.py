@@ -41,7 +41,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from aiotinyrt.helpers import debug_level, fmt_time, get_logger, getenv_str
+from aiotinyrt import recorder
+from aiotinyrt.helpers import debug_level, fmt_time, get_logger
 from aiotinyrt.queue import QueueOwner, describe
 from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, when_all_done
 
@@ -84,8 +85,8 @@ class DriverQueue:
         #: Queues with the same context may put each other's events in their wait lists (an
         #: OpenCL context; default: the driver object itself).
         self.context = driver if context is None else context
-        #: (name, start, seconds) of every command completed, when env PROFILE is set
-        self.profile: list[tuple[str, float, float]] | None = [] if getenv_str("PROFILE") else None
+        #: every command completed, when env PROFILE is set (see :mod:`aiotinyrt.recorder`)
+        self.profile = recorder.QueueTrace(f"{device.name}/{name}") if recorder.start() else None
         self.timeline = Timeline(device.name, name)
         self._thread: threading.Thread | None = None  # (no worker: the driver runs commands)
         self._stopping = False
@@ -233,8 +234,10 @@ class DriverQueue:
         """The driver's ``done``: any thread, possibly inside ``enqueue`` itself."""
         if self.profile is not None:
             sig = self._commands.get(value)
-            name = describe(sig._fn, sig._keep) if sig is not None else "?"
-            self.profile.append((name, start, seconds))
+            if sig is not None:
+                self.profile.record(
+                    sig._fn, sig._args, sig._keep, sig._deps or (), None, start, seconds, value
+                )
         with self._done_lock:
             self._results[value] = (seconds, error)
         if not getattr(self._local, "enqueuing", False):

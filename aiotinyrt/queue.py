@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
-from aiotinyrt import native
-from aiotinyrt.helpers import debug_level, fmt_time, get_logger, getenv_str
+from aiotinyrt import native, recorder
+from aiotinyrt.helpers import debug_level, fmt_time, get_logger
 from aiotinyrt.lifetime import keep_forever, warn_abandoned
 from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, wait_in_thread
 
@@ -46,7 +46,7 @@ class Queue(Protocol):
     #: HostQueue whose worker is the C one.
     native: bool
     _caddr: int
-    profile: list[tuple[str, float, float]] | None
+    profile: recorder.QueueTrace | None
     _thread: threading.Thread | None
     _stopping: bool
 
@@ -146,8 +146,8 @@ class HostQueue:
     def __init__(self, device: QueueOwner, name: str) -> None:
         self.device = device
         self.name = name
-        #: (name, start, seconds) of every command run, when env PROFILE is set
-        self.profile: list[tuple[str, float, float]] | None = [] if getenv_str("PROFILE") else None
+        #: every command run, when env PROFILE is set (see :mod:`aiotinyrt.recorder`)
+        self.profile = recorder.QueueTrace(f"{device.name}/{name}") if recorder.start() else None
         # per-command timing output needs every command to pass through Python
         lib = native.load() if self.profile is None and debug_level() < 2 else None
         self._lib = lib
@@ -346,7 +346,10 @@ class HostQueue:
         """Run one Python command (after its dependencies) and store its outcome on its signal."""
         device = self.device
         fn, args, deps = sig._fn, sig._args, sig._deps
+        waited_from = None
         if deps:
+            if self.profile is not None:
+                waited_from = perf()
             wait_in_thread(deps)
             for dep in deps:
                 error = dep.error()
@@ -368,7 +371,7 @@ class HostQueue:
                     name = describe(fn, sig._keep)
                     _log.debug("%s@%d: %s %s", self.timeline.label, value, name, fmt_time(sig._elapsed))
                 if self.profile is not None:
-                    self.profile.append((describe(fn, sig._keep), start, sig._elapsed))
+                    self.profile.record(fn, args, sig._keep, deps, waited_from, start, sig._elapsed, value)
             else:
                 sig._error = device._error
         sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]

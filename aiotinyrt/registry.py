@@ -14,13 +14,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
-import json
 import pkgutil
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+from aiotinyrt import recorder
 from aiotinyrt.allocator import Allocator
 from aiotinyrt.helpers import getenv_str
 from aiotinyrt.lifetime import exit_join_s, on_fork_in_child
@@ -188,23 +188,6 @@ on_fork_in_child(Device._after_fork)
 
 def write_profile(devices: Sequence[DeviceLike], path: str | None = None) -> str | None:
     """Write every queue's recorded commands as a Chrome-trace/Perfetto JSON file (env
-    ``PROFILE``: a path, or ``1`` for ``aiotinyrt_profile.json``). Returns the path written."""
-    target = path or getenv_str("PROFILE")
-    if not target:
-        return None
-    if target == "1":
-        target = "aiotinyrt_profile.json"
-    events: list[dict[str, Any]] = []
-    for pid, device in enumerate(devices):
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": device.name}})
-        for tid, queue in enumerate(device.queues.values()):
-            events.append(
-                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": queue.name}}
-            )
-            for name, start, seconds in list(queue.profile or ()):
-                events.append(
-                    {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start * 1e6, "dur": seconds * 1e6}
-                )
-    with open(target, "w") as f:
-        json.dump({"traceEvents": events}, f)
-    return target
+    ``PROFILE``: a path, or ``1`` for ``aiotinyrt_profile.json``; see :mod:`aiotinyrt.recorder`)
+    and say where on stderr. Returns the path written."""
+    return recorder.write(devices, path)

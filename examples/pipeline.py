@@ -312,8 +312,22 @@ async def throughput(
         await pipeline.aclose()
 
 
-async def main(batches: int = 48, size: int = 4096, iters: int = 200, depth: int = 2) -> dict[str, float]:
-    """Run the pipeline on one device and on two; print and return micro-batches per second.
+CONFIGS = {
+    "one": ("one device (CPU, CPU)", ("CPU", "CPU"), False),
+    "two": ("two devices (CPU, CPU:1)", ("CPU", "CPU:1"), False),
+    "graph": ("two devices, graph replay per micro-batch", ("CPU", "CPU:1"), True),
+}
+
+
+async def main(
+    batches: int = 48,
+    size: int = 4096,
+    iters: int = 200,
+    depth: int = 2,
+    only: Sequence[str] = tuple(CONFIGS),
+) -> dict[str, float]:
+    """Run the pipeline on one device and on two (``only``: those of :data:`CONFIGS`); print
+    and return micro-batches per second.
 
     Raises ``AssertionError`` if the configurations' outputs differ.
     """
@@ -321,18 +335,14 @@ async def main(batches: int = 48, size: int = 4096, iters: int = 200, depth: int
     data = [rng.random(size, dtype=np.float32) for _ in range(batches)]
     results: dict[str, float] = {}
     reference: list[FloatArray] | None = None
-    for label, devices, graph in (
-        ("one device (CPU, CPU)", ("CPU", "CPU"), False),
-        ("two devices (CPU, CPU:1)", ("CPU", "CPU:1"), False),
-        ("two devices, graph replay per micro-batch", ("CPU", "CPU:1"), True),
-    ):
+    for label, devices, graph in (CONFIGS[name] for name in only):
         rate, outputs = await throughput(devices, data, iters, depth, graph)
         if reference is None:
             reference = outputs
         assert len(outputs) == len(reference)
         assert all(np.array_equal(a, b) for a, b in zip(outputs, reference, strict=True)), label
         results[label] = rate
-    base = results["one device (CPU, CPU)"]
+    base = next(iter(results.values()))
     print(
         f"{batches} micro-batches of {size} floats, {iters} iterations per element per stage, depth {depth}"
     )
@@ -348,5 +358,8 @@ if __name__ == "__main__":
     parser.add_argument("--size", type=int, default=4096, help="floats per micro-batch")
     parser.add_argument("--iters", type=int, default=200, help="work per element per stage")
     parser.add_argument("--depth", type=int, default=2, help="micro-batches in flight (buffers per slot)")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to run"
+    )
     args = parser.parse_args()
-    anyio.run(main, args.batches, args.size, args.iters, args.depth)
+    anyio.run(main, args.batches, args.size, args.iters, args.depth, args.only)

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "aiotinyrt"
 #: import each other.
 LAYERS: list[list[str]] = [
     ["helpers", "dtype", "cachedir", "lifetime"],
-    ["native"],
+    ["native", "recorder"],
     ["signal"],
     ["queue"],
     ["driverqueue", "compiler", "allocator", "hazards", "kernel"],
