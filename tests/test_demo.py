@@ -3,6 +3,7 @@ from the package alone (weights and held-out images are package data)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiotinyrt import digits as demo
+from aiotinyrt import digits
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "aiotinyrt" / "data" / "digits_mlp.npz"
@@ -54,11 +55,22 @@ def test_demo_runs_the_digits_pipeline_and_prints_a_table(loop: str) -> None:
         assert images_per_s is not None and int(images_per_s.group(1).replace(",", "")) > 0, row
     accuracy = re.search(r"held-out accuracy through the served path: ([\d.]+) \(ok\)", out)
     assert accuracy is not None and float(accuracy.group(1)) >= 0.95, out
+    # honest figures: the two-device rows beside the machine's ceiling, measured in this run
+    ceiling = re.search(r"parallel ceiling, CPU \+ CPU:1\s+([\d.]+)x on (\d+) cores", out)
+    assert ceiling is not None and float(ceiling.group(1)) > 0, out
+    assert int(ceiling.group(2)) == os.cpu_count()
+    assert f"two devices can give at most {ceiling.group(1)}x here ({os.cpu_count()} cores" in out
+    assert "(wall time)" in out and "kernel time per batch, per stage" in out and "vs CPU alone" in out
+    assert sum(bool(re.search(r"flight\s+[\d,]+\s+[\d.]+x\s", row)) for row in rows) == 2, rows
+    # the weights file named where the installed package keeps it
+    weights = re.search(r"\(weights: (.+?)\)\n", out)
+    assert weights is not None and Path(weights.group(1)) == digits.weights_path(), out
+    assert Path(weights.group(1)).is_absolute() and Path(weights.group(1)).is_file()
 
 
 def test_weights_read_without_numpy_equal_numpy() -> None:
     with np.load(DATA) as ref:
-        for reader in (demo.read_npz, mlp.read_npz):
+        for reader in (digits.read_npz, mlp.read_npz):
             arrays = reader(DATA)
             assert set(arrays) == set(ref.files)
             for name, (values, shape) in arrays.items():
