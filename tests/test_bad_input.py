@@ -408,6 +408,7 @@ def snapshot() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("call", "exc", "fragment"), [pytest.param(*case[1:], id=case[0]) for case in CASES])
 async def test_wrong_call_raises_before_enqueueing_anything(
     ctx: Ctx, call: Call, exc: type[BaseException], fragment: str

@@ -53,6 +53,7 @@ def test_no_arguments_prints_every_backend_and_what_it_has() -> None:
     assert "default device: CPU" in out
 
 
+@pytest.mark.slow
 def test_version() -> None:
     result = run_cli("--version")
     assert result.returncode == 0
@@ -66,6 +67,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
     raise AssertionError("no subcommands")
 
 
+@pytest.mark.slow
 def test_every_subcommand_and_option_has_help() -> None:
     parser = build_parser()
     commands = _subcommands(parser)
@@ -90,6 +92,7 @@ def test_a_missing_compiler_is_named_with_how_to_install_one(tmp_path: Path) -> 
     assert "NULL: opens" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_cc_that_is_not_there_is_named(tmp_path: Path) -> None:
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
     result = run_cli(env=env)
@@ -105,6 +108,7 @@ def test_the_demo_says_why_cpu_does_not_open(tmp_path: Path) -> None:
     assert "needs a C compiler" in result.stderr and "apt-get install -y clang" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--loop", "nope"], ["frobnicate"]])
 def test_bad_arguments_are_usage_errors(args: list[str]) -> None:
     result = run_cli(*(["demo", *args] if args[0].startswith("-") else args))

@@ -28,6 +28,7 @@ import mlp  # noqa: E402
 TIME_BOUND = 90  # seconds; the demo's target is 30 s with a warm compile cache on 2 cores
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["asyncio", "trio", "uvloop"])
 def test_demo_runs_the_digits_pipeline_and_prints_a_table(loop: str) -> None:
     start = time.perf_counter()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "examples" / "async_harness"
 TIMEOUT = 300
@@ -20,6 +22,7 @@ def run_pytest(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
 
+@pytest.mark.slow
 def test_async_harness_passes_on_every_device_and_loop() -> None:
     result = run_pytest(str(HARNESS), "-rA", cwd=ROOT)
     out = result.stdout + result.stderr
@@ -36,6 +39,7 @@ def test_async_harness_passes_on_every_device_and_loop() -> None:
         assert ident in out, ident
 
 
+@pytest.mark.slow
 def test_harness_leak_check_fails_a_test_that_leaks(tmp_path: Path) -> None:
     shutil.copy(HARNESS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_leaky.py").write_text(

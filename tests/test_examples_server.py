@@ -66,6 +66,7 @@ def digits_body(test: mlp.TestSet, start: int, count: int) -> dict[str, Any]:
 
 
 # ---- serving ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_load_generator_against_the_server_then_clean_shutdown() -> None:
     # (CPU and CPU:1 are shared with earlier tests: count only what the server allocates)
     before = {name: Device[name].allocator.statistics().bytes_in_use for name in ("CPU", "CPU:1")}
@@ -94,6 +95,7 @@ async def test_load_generator_against_the_server_then_clean_shutdown() -> None:
         assert dev.allocator.statistics().bytes_in_use == before[dev.name], dev.name
 
 
+@pytest.mark.slow
 async def test_gc_freeze_holds_the_start_up_heap_while_serving_and_is_undone_at_stop() -> None:
     import gc
 
@@ -110,6 +112,7 @@ async def test_gc_freeze_holds_the_start_up_heap_while_serving_and_is_undone_at_
     assert service.stopped.is_set() and gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 async def test_served_accuracy_on_held_out_digits() -> None:
     _, test = mlp.load_digits_mlp()
     answers: dict[int, dict[str, Any]] = {}
@@ -152,6 +155,7 @@ async def test_pipeline_without_http_matches_a_single_device() -> None:
         await one.synchronize()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocking", "numpy"])
 async def test_baseline_modes_agree_with_the_pipeline(mode: str) -> None:
     _, test = mlp.load_digits_mlp()
@@ -178,6 +182,7 @@ async def test_http_control_mode_answers_zeros_and_still_validates() -> None:
         assert bad.status_code == 422 and "64" in bad.text, bad.text
 
 
+@pytest.mark.slow
 async def test_width_builds_a_random_mlp_of_the_same_shape() -> None:
     async with running_server(width=40) as (url, service):
         report = await loadgen.run_load(url, requests=10, concurrency=4, batch=2, time_limit=TIMEOUT)
@@ -210,6 +215,7 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str]] = [
 ]
 
 
+@pytest.mark.slow
 async def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving() -> None:
     async with running_server() as (url, service), httpx.AsyncClient(base_url=url) as client:
         for what, body, status, message in BAD_REQUESTS:
@@ -224,6 +230,7 @@ async def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving() -> None
 
 
 # ---- back-pressure and shutdown --------------------------------------------------------------------
+@pytest.mark.slow
 async def test_full_queue_answers_503_with_retry_after_and_drops_nothing() -> None:
     async with running_server(max_batch=4, queue_images=8) as (url, service):
         assert service.batcher is not None
@@ -254,6 +261,7 @@ async def test_full_queue_answers_503_with_retry_after_and_drops_nothing() -> No
         }
 
 
+@pytest.mark.slow
 async def test_shutdown_drains_queued_requests_before_closing_devices() -> None:
     statuses: list[int] = []
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -315,6 +323,7 @@ async def test_micro_batches_gather_queued_requests_without_splitting_them() -> 
         await pipeline.synchronize()
 
 
+@pytest.mark.slow
 async def test_loadgen_command_line_against_the_server() -> None:
     async with running_server() as (url, _):
         argv = [sys.executable, str(ROOT / "examples" / "loadgen.py"), "--url", url]
@@ -331,6 +340,7 @@ def _loop_of(anyio_backend: Any) -> str:
     return "uvloop" if options.get("use_uvloop") else name
 
 
+@pytest.mark.slow
 async def test_serve_command_line_drains_on_sigterm(anyio_backend: Any) -> None:
     """``serve.py --port 0`` on this test's event loop; requests in flight when SIGTERM arrives
     are answered, then the process synchronizes, closes its devices and exits 0."""

@@ -50,6 +50,7 @@ def run_and_exit(backend: str, launches: int, ms: int) -> tuple[subprocess.Compl
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_exit_with_many_slow_launches_queued_is_prompt_and_quiet(backend: str) -> None:
     result, elapsed = run_and_exit(backend, launches=200, ms=200)  # 40 s of queued work
@@ -61,6 +62,7 @@ def test_exit_with_many_slow_launches_queued_is_prompt_and_quiet(backend: str) -
     assert elapsed < 20, f"exit took {elapsed:.1f} s"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_exit_while_a_long_kernel_runs_is_bounded(backend: str) -> None:
     result, elapsed = run_and_exit(backend, launches=1, ms=60_000)

@@ -177,6 +177,7 @@ def fresh_inc() -> str:
     return f"// {uuid.uuid4()}\n{INC}\n"
 
 
+@pytest.mark.slow
 async def test_hanging_compiler_times_out_with_compile_error_and_the_next_compile_works(
     fake_cc: Path, tmp_path: Path
 ) -> None:
@@ -242,6 +243,7 @@ def cache_with_entries(path: Path) -> None:
     cache.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "zeroed header"])
 async def test_damaged_cache_file_warns_once_compiles_anyway_and_is_rebuilt(
     damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -317,6 +319,7 @@ def exit_params() -> list[str]:
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", exit_params())
 @pytest.mark.parametrize(("ms", "launches"), [(20, 100), (60_000, 2)], ids=["queued", "stuck"])
 def test_exit_with_awaits_pending_and_launches_queued_on_every_device_is_bounded_and_quiet(
@@ -426,6 +429,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", exit_params())
 def test_keyboard_interrupt_with_many_awaits_pending_leaves_nothing_after_aclose(loop: str) -> None:
     result = subprocess.run(

@@ -49,6 +49,7 @@ async def axpb_programs() -> dict[str, Program]:
 # ---- replay equals eager execution ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(
     max_examples=12,
     deadline=None,
@@ -239,6 +240,7 @@ async def replay_behind(gate: CopyGate, graph: Graph, queue: HostQueue, what: st
     await replayed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [4, 20_000])  # (16 B and 80 KB: above CPU's inline_copy_bytes)
 async def test_a_two_device_graph_keeps_the_dependencies_between_its_devices(size: int) -> None:
     """Kernel on CPU -> transfer to CPU:1 -> kernel on CPU:1. A small hand-over is folded into
@@ -288,6 +290,7 @@ async def test_a_replay_whose_folded_transfer_writes_a_closed_device_raises_befo
     assert submitted() == before
 
 
+@pytest.mark.slow
 async def test_a_transfer_draining_a_kernel_joins_its_run_and_waits_for_it() -> None:
     """A transfer reading what the previous kernel on its device wrote is folded into that
     kernel's compute run (one native command), which waits for the kernel's input."""
@@ -378,6 +381,7 @@ async def test_a_chain_replay_needs_no_join_and_fails_when_its_first_run_fails()
         await buf.free()
 
 
+@pytest.mark.slow
 async def test_a_replay_signal_covers_runs_the_last_one_does_not_wait_for() -> None:
     """Two independent runs (CPU held by a gate, CPU:1 free): the replay's signal must not be
     done before the held one is (it joins them)."""
@@ -397,6 +401,7 @@ async def test_a_replay_signal_covers_runs_the_last_one_does_not_wait_for() -> N
     assert await contents(out) == [2] * 4
 
 
+@pytest.mark.slow
 async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
     # Two devices wrap the same host memory, so only the captured wait_for orders them.
     shared: IntArray = np.zeros(4, np.int32)
@@ -419,6 +424,7 @@ async def test_wait_for_between_captured_launches_is_kept_at_replay() -> None:
         await far_alias.free()
 
 
+@pytest.mark.slow
 async def test_a_replay_is_ordered_after_eager_work_on_its_buffers_and_before_later_work() -> None:
     progs, x, _mid, _far, out, graph = await small_chain(0)
     src = await int_array_buffer("CPU", 10, size=4)

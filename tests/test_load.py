@@ -120,6 +120,7 @@ FULL = os.environ.get("LOAD_FULL", "") not in ("", "0")
 TASKS, LAUNCHES = (200, 500) if FULL else (200, 50)
 
 
+@pytest.mark.slow
 async def test_concurrent_cross_device_chains_with_cancelled_waits_are_correct_and_leave_nothing(
     anyio_backend: Any,
 ) -> None:

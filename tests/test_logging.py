@@ -66,6 +66,7 @@ def test_debug_1_logs_device_opens_to_stderr_through_logging(tmp_path: Path) -> 
     assert "aiotinyrt.device: opened device CPU (CPUDevice)" in result.stderr.splitlines(), result.stderr
 
 
+@pytest.mark.slow
 def test_without_debug_nothing_is_logged(tmp_path: Path) -> None:
     result = run(ROUTED, tmp_path, None)
     assert result.returncode == 0, result.stderr
@@ -73,6 +74,7 @@ def test_without_debug_nothing_is_logged(tmp_path: Path) -> None:
     assert result.stderr == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("level", "logger", "fragment"),
     [

@@ -322,6 +322,7 @@ async def test_a_failure_holding_a_pushed_command_keeps_what_it_reads_and_it_sti
             await buf.free()
 
 
+@pytest.mark.slow
 async def test_a_command_of_a_halted_queue_completes_only_after_its_dependencies() -> None:
     """A device with a sticky error fails its queued native commands, but each only once the
     commands it depends on (another device's, held by a gate) completed: completing early would
@@ -364,6 +365,7 @@ async def test_a_failed_dependency_on_another_device_fails_the_native_launch_onl
         await out.free()
 
 
+@pytest.mark.slow
 async def test_a_program_dropped_with_launches_queued_stays_loaded_until_they_ran() -> None:
     async with rt.open_device(DEV) as dev, gate_on(DEV) as gate:
         out = await int_buffer(DEV)
@@ -461,6 +463,7 @@ async def test_closing_a_device_fails_the_native_launches_it_did_not_run() -> No
         inc(out)
 
 
+@pytest.mark.slow
 def test_the_python_worker_passes_the_queue_tests_too() -> None:
     """NATIVE_QUEUE=0: the pure-Python worker (the fallback without a C compiler) runs the test
     modules that exercise queues, signals, ordering and faults, in a fresh interpreter."""

@@ -74,6 +74,7 @@ def run_reference(program: list[Op], initial: dict[tuple[str, int], IntArray]) -
 
 # No shrink phase: a misordering shows up as a race, which shrinking turns into minutes of flaky
 # replays; the failing program is printed as generated (at most 24 operations).
+@pytest.mark.slow
 @settings(
     max_examples=40,
     deadline=None,
@@ -104,6 +105,7 @@ async def test_random_programs_over_two_devices_equal_sequential_execution(
 # ---- hazards, one at a time, with the first command held on the device --------------------------
 
 
+@pytest.mark.slow
 async def test_read_after_write_copy_to_another_device_waits_for_the_kernel() -> None:
     src = await int_array_buffer("CPU", 1, size=4)
     out = await int_array_buffer("CPU", 0, size=4)
@@ -117,6 +119,7 @@ async def test_read_after_write_copy_to_another_device_waits_for_the_kernel() ->
     assert await contents(far) == [42] * 4
 
 
+@pytest.mark.slow
 async def test_write_after_read_kernel_on_another_device_waits_for_the_copy_reading_its_output() -> None:
     near = await int_array_buffer("CPU", 7, size=4)
     far = await int_array_buffer("CPU:1", 0, size=4)
@@ -133,6 +136,7 @@ async def test_write_after_read_kernel_on_another_device_waits_for_the_copy_read
     assert await contents(near) == [100] * 4
 
 
+@pytest.mark.slow
 async def test_write_after_write_on_the_copy_queue_waits_for_the_kernel_on_the_compute_queue() -> None:
     src = await int_array_buffer("CPU", 5, size=8)
     out = await int_array_buffer("CPU", 0, size=8)
@@ -144,6 +148,7 @@ async def test_write_after_write_on_the_copy_queue_waits_for_the_kernel_on_the_c
     assert await contents(out) == [9] * 8
 
 
+@pytest.mark.slow
 async def test_write_after_write_from_another_device_lands_last() -> None:
     out = await int_array_buffer("CPU", 0, size=8)
     src = await int_array_buffer("CPU", 3, size=8)
@@ -156,6 +161,7 @@ async def test_write_after_write_from_another_device_lands_last() -> None:
     assert await contents(out) == [8] * 8
 
 
+@pytest.mark.slow
 async def test_host_read_waits_for_a_pending_write_but_not_for_a_pending_read() -> None:
     buf = await int_array_buffer("CPU", 2, size=4)
     other = await int_array_buffer("CPU", 0, size=4)
@@ -205,6 +211,7 @@ async def test_a_host_read_is_not_changed_by_a_write_submitted_after_it() -> Non
 # ---- views -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_overlapping_view_copy_waits_for_the_kernel_writing_the_other_view() -> None:
     base = await int_array_buffer("CPU", 0, size=16)
     src = await int_array_buffer("CPU", 1, size=8)
@@ -254,6 +261,7 @@ async def test_work_on_a_disjoint_view_flows_on_to_another_device_while_the_othe
     assert await contents(base) == [1, 2, 3, 4, 4, 5, 6, 7]
 
 
+@pytest.mark.slow
 async def test_a_partial_write_does_not_hide_earlier_writes_it_does_not_cover() -> None:
     base = await int_array_buffer("CPU", 0, size=16)
     src = await int_array_buffer("CPU", 1, size=8)
@@ -268,6 +276,7 @@ async def test_a_partial_write_does_not_hide_earlier_writes_it_does_not_cover() 
     assert await contents(far) == [1] * 8 + [2] * 8
 
 
+@pytest.mark.slow
 async def test_a_write_to_the_whole_base_waits_for_work_on_any_view() -> None:
     base = await int_array_buffer("CPU", 0, size=8)
     src = await int_array_buffer("CPU", 6, size=2)
@@ -282,6 +291,7 @@ async def test_a_write_to_the_whole_base_waits_for_work_on_any_view() -> None:
 # ---- explicit dependencies and writes= ------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_wait_for_orders_a_launch_after_a_signal_of_another_device() -> None:
     # Two devices wrap the same host memory: the runtime cannot know they alias, so only
     # wait_for orders the reader after the writer.
@@ -333,6 +343,7 @@ async def test_writes_marks_the_other_buffers_read_only_so_reads_do_not_wait() -
     assert await contents(far) == [11] * 4
 
 
+@pytest.mark.slow
 async def test_without_writes_a_raw_kernel_is_taken_to_write_every_buffer() -> None:
     buf = await int_array_buffer("CPU", 11, size=4)
     out = await int_array_buffer("CPU", 0, size=4)
@@ -345,6 +356,7 @@ async def test_without_writes_a_raw_kernel_is_taken_to_write_every_buffer() -> N
     assert await contents(far) == [11] * 4
 
 
+@pytest.mark.slow
 async def test_a_write_after_a_declared_read_still_waits_for_it() -> None:
     buf = await int_array_buffer("CPU", 11, size=4)
     out = await int_array_buffer("CPU", 0, size=4)

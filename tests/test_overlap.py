@@ -76,6 +76,7 @@ async def test_two_devices_run_kernels_at_the_same_time() -> None:
     assert await contents(far) == [10] * 4
 
 
+@pytest.mark.slow
 async def test_a_copy_that_must_follow_the_held_kernel_waits_and_an_independent_one_does_not() -> None:
     # The copy queue is in order: a copy that must wait for the held kernel holds the copies
     # behind it too; a copy submitted before it is unaffected.
@@ -95,6 +96,7 @@ async def test_a_copy_that_must_follow_the_held_kernel_waits_and_an_independent_
     assert await contents(free_buf) == [7] * 4
 
 
+@pytest.mark.slow
 async def test_synchronize_gathers_over_the_compute_and_copy_queues() -> None:
     src = await int_array_buffer("CPU", 1, size=4)
     out = await int_array_buffer("CPU", 0, size=4)

@@ -51,6 +51,7 @@ def test_readme_has_the_blocks_this_file_runs() -> None:
     assert len(quick_start()) == 2, "Quick start stays two commands"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "source"), scripts(), ids=[n for n, _ in scripts()])
 def test_readme_block_runs_as_a_script(name: str, source: str, tmp_path: Path) -> None:
     script = tmp_path / f"{name}.py"

@@ -952,6 +952,7 @@ def opencl_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[N
         return dict(zip([c.kernel.name for c in CASES], pool.map(run, CASES), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.kernel.name for c in CASES])
 async def test_opencl_output_builds_and_matches_the_cpu(
     case: Case, opencl_results: dict[str, list[NDArray]]
@@ -1011,6 +1012,7 @@ def cuda_ptx(tmp_path_factory: pytest.TempPathFactory) -> str:
     return (tmp / "all.ptx").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_BY_NAME))
 def test_cuda_output_compiles_with_nvcc(name: str, cuda_ptx: str) -> None:
     assert f".entry {name}(" in cuda_ptx

@@ -94,6 +94,7 @@ async def test_2000_back_to_back_launches_on_null_need_one_await() -> None:
     await buf.free()
 
 
+@pytest.mark.slow
 async def test_event_loop_never_stalls_while_a_300ms_kernel_runs() -> None:
     dev = Device["CPU"]
     prog = await dev.program("spin", SPIN)

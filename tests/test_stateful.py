@@ -499,6 +499,7 @@ def _portal_params() -> Iterator[Any]:
     yield pytest.param("asyncio", {"use_uvloop": True}, id="uvloop")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "options"), list(_portal_params()))
 def test_random_interleavings_keep_data_memory_and_queues_consistent(
     backend: str, options: dict[str, Any]

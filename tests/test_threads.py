@@ -201,6 +201,7 @@ def test_one_signal_awaited_from_two_loops_wakes_both(loops: tuple[str, str]) ->
     assert_devices_idle("CPU")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loops", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_two_loops_running_cross_device_chains_with_cancelled_waits(loops: tuple[str, str]) -> None:
     precompile((CHAIN_DEVICES[0], "step3", STEP_CPU), (CHAIN_DEVICES[1], "step5", STEP_CPU1))
@@ -240,6 +241,7 @@ def test_two_loops_on_the_null_device_share_its_queues_in_order(loops: tuple[str
     assert_devices_idle("NULL")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loops", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_two_loops_compiling_the_same_source_at_once_both_get_it(loops: tuple[str, str]) -> None:
     """Single flight spans loops: the second loop waits for (or repeats) the first one's compile,

@@ -152,6 +152,7 @@ async def test_outer_cancellation_during_a_wait_with_timeout_is_a_cancellation_n
         await out.free()
 
 
+@pytest.mark.slow
 async def test_many_timed_out_waiters_on_one_signal_all_raise_and_leave_nothing_behind() -> None:
     outcomes: list[str] = []
     async with rt.open_device(DEV), gate_on(DEV) as gate:

@@ -216,6 +216,7 @@ def record() -> dict[str, list[Launch]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_workload_produced_c_kernels(captured: dict[str, list[Launch]]) -> None:
     assert list(captured) == WORKLOADS
     for name, launches in captured.items():
@@ -259,6 +260,7 @@ async def _compile_all(launches: list[Launch]) -> dict[tuple[str, str], Program]
     return progs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", WORKLOADS)
 async def test_tinygrad_kernels_run_unchanged_and_bit_exact(
     workload: str, captured: dict[str, list[Launch]]

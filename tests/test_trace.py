@@ -161,6 +161,7 @@ def test_allocator_memory_is_a_counter_track_per_device(traced: Any) -> None:
         assert max(values) >= 2 << 20 and values[-1] == 0  # 1 MiB buffers, all freed at the end
 
 
+@pytest.mark.slow
 def test_trace_command_summarizes_and_draws(traced: Any, tmp_path: Path) -> None:
     path, _, _ = traced
     png = tmp_path / "timeline.png"
@@ -179,6 +180,7 @@ def test_trace_command_summarizes_and_draws(traced: Any, tmp_path: Path) -> None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_trace_command_on_a_missing_file_is_an_error(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "aiotinyrt", "trace", str(tmp_path / "none.json")],
@@ -198,6 +200,7 @@ def test_an_unwritable_trace_path_fails_when_profiling_starts(tmp_path: Path) ->
     assert "Exception ignored" not in result.stderr and not target.parent.exists()
 
 
+@pytest.mark.slow
 def test_profile_1_writes_into_the_working_directory(tmp_path: Path) -> None:
     result = run_workload(tmp_path, "1")
     assert result.returncode == 0, result.stderr
