@@ -92,11 +92,13 @@ async def run_load(
     time_limit: float = 120.0,
     timeout: float = 30.0,
     bodies: list[bytes] | None = None,
+    honor_retry_after: bool = True,
 ) -> LoadReport:
     """Send ``requests`` POSTs to ``url + "/predict"`` with at most ``concurrency`` in flight.
 
     Stops sending after ``time_limit`` seconds (requests in flight then finish); each request
-    times out after ``timeout`` seconds.
+    times out after ``timeout`` seconds. A 503 with ``Retry-After`` pauses that user for as long
+    (``honor_retry_after``), as a well-behaved client does.
     """
     if requests < 1 or concurrency < 1 or batch < 1:
         raise ValueError("requests, concurrency and batch must be positive")
@@ -128,6 +130,9 @@ async def run_load(
                 continue
             latency = time.perf_counter() - t0
             report.statuses[response.status_code] += 1
+            retry = response.headers.get("retry-after", "")
+            if honor_retry_after and response.status_code == 503 and retry.isdigit():
+                await anyio.sleep(min(int(retry), max(stop_at - time.perf_counter(), 0)))
             if response.status_code == 200:
                 try:
                     answer = response.json()

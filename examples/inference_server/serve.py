@@ -11,8 +11,9 @@
 Requests are gathered into micro-batches (bounded wait, bounded size, see ``batcher.py``) and run
 through a pipeline of stages over the devices (``mlp.py``). A full queue answers 503 with
 ``Retry-After``; bad input answers 4xx with a message saying what is wrong. SIGINT or SIGTERM
-stops accepting connections, drains the requests in flight, then synchronizes and closes the
-devices.
+starts draining (``drain.py``): new requests get 503 and every connection is closed after its
+answer until the clients stay away, then the server stops accepting, finishes the requests in
+flight, synchronizes and closes the devices.
 
 An ASGI app (starlette) run by hypercorn, on asyncio, uvloop or trio. ``serve()`` runs it
 in-process on a socket you give it (tests do), ``main()`` is the command line. ``--mode`` picks
@@ -49,6 +50,7 @@ from starlette.routing import Route
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batcher import MicroBatcher, Overloaded, ShuttingDown
+from drain import DrainGate
 from mlp import (
     N_CLASSES,
     N_PIXELS,
@@ -86,6 +88,10 @@ class ServerConfig:
     #: command line sets it; off by default because it acts on the whole process (tests run
     #: servers in-process). ``stop`` unfreezes.
     gc_freeze: bool = False
+    #: at shutdown, keep accepting (answering 503, closing connections) until no request arrived
+    #: for this many seconds, at most ``drain_limit`` (see drain.py)
+    drain_quiet: float = 0.25
+    drain_limit: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -557,9 +563,13 @@ async def serve(
     hyper.loglevel = "WARNING"
     hyper.backlog = 1024
 
+    gate = DrainGate(app)
+
     async def trigger() -> None:
         await shutdown_trigger()
-        service.begin_drain()  # requests in flight finish while hypercorn waits for them
+        service.begin_drain()  # new requests: 503; the accepted ones finish
+        gate.draining = True  # every response closes its connection
+        await gate.wait_quiet(config.drain_quiet, config.drain_limit)  # then hypercorn stops accepting
 
     async def announce() -> None:
         await service.ready.wait()
@@ -572,7 +582,7 @@ async def serve(
             from hypercorn.trio import serve as hyper_serve
         else:
             from hypercorn.asyncio import serve as hyper_serve  # type: ignore[assignment]
-        await hyper_serve(app, hyper, shutdown_trigger=trigger)  # type: ignore[arg-type]
+        await hyper_serve(gate, hyper, shutdown_trigger=trigger)  # type: ignore[arg-type]
         tg.cancel_scope.cancel()
     return service
 
