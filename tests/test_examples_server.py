@@ -17,6 +17,8 @@ import anyio
 import anyio.streams.text
 import httpx
 import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_DIR = ROOT / "examples" / "inference_server"
@@ -389,3 +391,44 @@ async def test_device_names_are_checked_before_serving() -> None:
     with pytest.raises(ValueError, match="mode"):
         serve.ServerConfig(mode="fast")
     assert Device.canonicalize("cpu:1") in serve.ServerConfig(devices=("cpu", "cpu:1")).devices
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition, parsed by prometheus-client's own parser."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_metrics_in_prometheus_text_format() -> None:
+    async with running_server() as (url, _service):
+        report = await loadgen.run_load(url, requests=12, concurrency=3, batch=2, time_limit=TIMEOUT)
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            bad = await client.post("/predict", content=b'{"images": [[1, 2')
+            response = await client.get("/metrics")
+    assert report.statuses == {200: 12} and bad.status_code == 400
+    assert response.status_code == 200
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST  # text/plain; version=...
+    assert CONTENT_TYPE_LATEST.startswith("text/plain")
+    samples = _samples(response.text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("aiotinyrt_server_requests_total", endpoint="/predict", status="200") == 12
+    assert value("aiotinyrt_server_requests_total", endpoint="/predict", status="400") == 1
+    assert value("aiotinyrt_server_request_seconds_count", endpoint="/predict") == 13
+    assert value("aiotinyrt_server_request_seconds_bucket", endpoint="/predict", le="+Inf") == 13
+    assert value("aiotinyrt_server_request_seconds_sum", endpoint="/predict") > 0
+    # every image of the load went through one micro-batch
+    assert value("aiotinyrt_server_batch_images_sum") == 12 * 2
+    assert 1 <= value("aiotinyrt_server_batch_images_count") <= 12
+    for device in ("CPU", "CPU:1"):
+        assert value("aiotinyrt_device_busy_seconds_total", device=device) > 0
+        assert value("aiotinyrt_allocator_bytes", device=device, state="in_use") > 0
+        assert value("aiotinyrt_allocator_bytes", device=device, state="peak") >= value(
+            "aiotinyrt_allocator_bytes", device=device, state="in_use"
+        )
+    assert value("aiotinyrt_server_queued_images") == 0

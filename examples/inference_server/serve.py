@@ -6,7 +6,9 @@
 * ``POST /predict`` ``{"images": [[64 numbers in 0..16], ...]}`` answers
   ``{"classes": [...], "probabilities": [[10 numbers], ...]}``;
 * ``GET /healthz``; ``GET /stats`` (queue depth, in-flight micro-batches, device timelines,
-  allocator statistics, event-loop lag); ``POST /stats/reset`` clears the loop-lag record.
+  allocator statistics, event-loop lag); ``POST /stats/reset`` clears the loop-lag record;
+* ``GET /metrics``: the same figures for Prometheus (``metrics.py``): request counts by status,
+  a latency histogram, micro-batch sizes, device busy time, allocator bytes.
 
 Requests are gathered into micro-batches (bounded wait, bounded size, see ``batcher.py``) and run
 through a pipeline of stages over the devices (``mlp.py``). A full queue answers 503 with
@@ -49,14 +51,14 @@ from starlette.routing import Route
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from baselines import BlockingModel, NumpyModel, zero_result
 from batcher import MicroBatcher, Overloaded, ShuttingDown
 from drain import DrainGate
+from metrics import ServerMetrics
 from mlp import (
     N_CLASSES,
     N_PIXELS,
     PIXEL_MAX,
-    TILE,
-    Layer,
     Pipeline,
     Result,
     load_digits_mlp,
@@ -160,100 +162,6 @@ def parse_images(payload: object, max_images: int) -> tuple[array[float], int]:
     return pixels, len(images)
 
 
-# ---- the two synchronous baselines (bench/server.py) ------------------------------------------
-class BlockingModel:
-    """The pipeline's own compiled kernels (the same loaded code, called here with cffi) and
-    weights, called synchronously on the event loop thread: what a server that ignores the
-    runtime's queues would do. Host memory only (the binaries are CPU code)."""
-
-    RELU = "void (*)(float *, const float *, const float *, const float *, int, int, int)"
-    SOFTMAX = "void (*)(float *, int *, const float *, const float *, const float *, int, int, int)"
-
-    def __init__(
-        self, programs: tuple[Any, Any], layers: list[tuple[Layer, array[float], array[float]]]
-    ) -> None:
-        import cffi
-
-        self.ffi = cffi.FFI()
-        self._programs: tuple[Any, ...] = programs  # they own the code the pointers below call
-        relu, softmax = programs
-        self.dense_relu: Any = self.ffi.cast(self.RELU, relu.image.symbols["dense_relu"])
-        self.dense_softmax: Any = self.ffi.cast(self.SOFTMAX, softmax.image.symbols["dense_softmax"])
-        self.layers = layers  #: (layer, packed weights, bias), host copies
-
-    @classmethod
-    async def create(cls, pipeline: Pipeline) -> BlockingModel:
-        layers = []
-        for stage in pipeline.stages:
-            for layer, (w, b) in zip(stage.layers, stage.weights, strict=True):
-                weights = array("f", (await w.as_memoryview()).cast("f"))
-                layers.append((layer, weights, array("f", (await b.as_memoryview()).cast("f"))))
-        stage = pipeline.stages[0]
-        return cls((stage.dense_relu, stage.dense_softmax), layers)
-
-    def infer(self, pixels: array[float], rows: int) -> Result:
-        ffi = self.ffi
-        x = pixels
-        for i, (layer, w, b) in enumerate(self.layers):
-            out = array("f", bytes(4 * rows * layer.n_out))
-            args = (
-                ffi.from_buffer("float[]", x),
-                ffi.from_buffer("float[]", w),
-                ffi.from_buffer("float[]", b),
-            )
-            dims = (rows, layer.n_in, layer.n_out)
-            if i == len(self.layers) - 1:
-                classes = array("i", bytes(4 * rows))
-                self.dense_softmax(
-                    ffi.from_buffer("float[]", out), ffi.from_buffer("int[]", classes), *args, *dims
-                )
-                return Result(out, classes)
-            self.dense_relu(ffi.from_buffer("float[]", out), *args, *dims)
-            x = out
-        raise AssertionError("the model has no layers")
-
-    def close(self) -> None:
-        self._programs = ()
-
-
-class NumpyModel:
-    """The same weights (read back from the devices and unpacked), computed by numpy in the
-    handler."""
-
-    def __init__(self, layers: list[tuple[Any, Any]]) -> None:
-        import numpy as np
-
-        self.np = np
-        self.layers = layers  #: (row-major weights, bias) as numpy arrays
-
-    @classmethod
-    async def create(cls, pipeline: Pipeline) -> NumpyModel:
-        import numpy as np
-
-        layers = []
-        for stage in pipeline.stages:
-            for layer, (w, b) in zip(stage.layers, stage.weights, strict=True):
-                packed = np.frombuffer(await w.as_memoryview(), np.float32).copy()
-                blocks = packed.reshape(-1, layer.n_in, TILE)  # (n_out / 16, n_in, 16)
-                weights = blocks.transpose(1, 0, 2).reshape(layer.n_in, -1)[:, : layer.n_out]
-                bias = np.frombuffer(await b.as_memoryview(), np.float32).copy()
-                layers.append((np.ascontiguousarray(weights), bias))
-        return cls(layers)
-
-    def infer(self, pixels: array[float], rows: int) -> Result:
-        np = self.np
-        h = np.frombuffer(pixels, np.float32).reshape(rows, N_PIXELS)
-        for w, b in self.layers[:-1]:
-            h = np.maximum(h @ w + b, 0.0)
-        w, b = self.layers[-1]
-        logits = h @ w + b
-        e = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
-        return Result(
-            array("f", probs.tobytes()), array("i", logits.argmax(axis=1).astype(np.int32).tobytes())
-        )
-
-
 def lower_worker_priority(nice: int) -> list[str]:
     """Give the runtime's device worker threads (``aiotinyrt-CPU/compute``, ...) the OS priority
     ``nice`` (Linux: niceness is per thread). On a machine with few cores the event loop thread
@@ -298,12 +206,6 @@ class LoopLag:
         return {"worst_ms": self.worst * 1e3, "mean_ms": mean * 1e3, "ticks": self.ticks}
 
 
-def zero_result(pixels: array[float], rows: int) -> Result:
-    """The ``http`` mode's answer: no model, zero probabilities and class 0 for every image, so
-    bench/server.py can measure what the HTTP stack (parsing, validation, JSON) costs alone."""
-    return Result(array("f", bytes(4 * N_CLASSES * rows)), array("i", bytes(4 * rows)))
-
-
 # ---- the service --------------------------------------------------------------------------------
 @dataclass
 class Service:
@@ -319,10 +221,14 @@ class Service:
     stopped: anyio.Event = field(default_factory=anyio.Event)
     draining: bool = False
     reniced: list[str] = field(default_factory=list)  #: worker threads given a lower priority
+    metrics: ServerMetrics = field(init=False)
     requests: int = 0
     bad_requests: int = 0
     rejected: int = 0
     errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         cfg = self.config
@@ -332,7 +238,7 @@ class Service:
             self.batcher = MicroBatcher(
                 acquire=self.pipeline.acquire,
                 release=self.pipeline.release,
-                run=self.pipeline.run,
+                run=self.metrics.observe_batches(self.pipeline.run),
                 split=Result.split,
                 max_batch=cfg.max_batch,
                 max_wait=cfg.max_wait,
@@ -511,6 +417,10 @@ def create_app(config: ServerConfig) -> tuple[Starlette, Service]:
     async def stats(request: Request) -> Response:
         return JSONResponse(service.statistics())
 
+    async def metrics(request: Request) -> Response:
+        body, content_type = service.metrics.exposition()
+        return Response(body, media_type=content_type)
+
     async def reset_stats(request: Request) -> Response:
         service.lag.reset()
         return JSONResponse({"status": "reset"})
@@ -530,6 +440,7 @@ def create_app(config: ServerConfig) -> tuple[Starlette, Service]:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
         Route("/stats/reset", reset_stats, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan), service
 
@@ -563,7 +474,7 @@ async def serve(
     hyper.loglevel = "WARNING"
     hyper.backlog = 1024
 
-    gate = DrainGate(app)
+    gate = DrainGate(service.metrics.middleware(app))
 
     async def trigger() -> None:
         await shutdown_trigger()
