@@ -306,6 +306,7 @@ async def test_await_is_a_checkpoint_even_when_done(every: str) -> None:
     await out.free()
 
 
+@pytest.mark.slow
 async def test_a_thousand_concurrent_awaits_cost_no_thread_each(computing: str) -> None:
     out = await int_buffer(computing)
     results: list[float] = []
@@ -403,6 +404,7 @@ anyio.run(main, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", EVERY)
 def test_exit_with_work_queued_is_quiet_and_successful(device: str) -> None:
     result = subprocess.run(
