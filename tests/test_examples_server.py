@@ -42,7 +42,8 @@ TIMEOUT = 60  # seconds: a bound on every wait below, never a synchronisation
 async def running_server(**overrides: Any) -> AsyncIterator[tuple[str, serve.Service]]:
     """The server on 127.0.0.1:<free port>, in this process; shut down (drained, devices closed)
     when the block exits."""
-    config = serve.ServerConfig(**overrides)
+    # no quiet period at shutdown: these tests stop the server after their own requests ended
+    config = serve.ServerConfig(**{"drain_quiet": 0.0, **overrides})
     sock = serve.listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
     stop = anyio.Event()

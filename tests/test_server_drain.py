@@ -6,6 +6,7 @@ client may see is a refused connection."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -61,10 +62,12 @@ async def test_sigint_under_load_answers_every_accepted_request(anyio_backend: A
         async with anyio.create_task_group() as tg:
             tg.start_soon(load)
             # SIGINT once the server has answered a good share of the load (polling its /stats)
+            polls = 0
             async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
                 with anyio.fail_after(TIMEOUT):
                     while (await client.get("/stats")).json()["requests"]["answered"] < 300:
-                        pass
+                        polls += 1
+                polls += 1
             process.send_signal(signal.SIGINT)
         with anyio.fail_after(TIMEOUT):
             async for chunk in lines:
@@ -76,5 +79,12 @@ async def test_sigint_under_load_answers_every_accepted_request(anyio_backend: A
     assert "SIGINT: draining" in out and "devices closed" in out, out
     assert result.statuses.get(200, 0) > 0, result.summary()
     assert set(result.statuses) <= {200, 503}, result.summary()
-    # a request that reached the server and got no answer shows as ReadError/RemoteProtocolError
+    # every HTTP request that reached the application was answered, and the client got each answer
+    counts = re.search(r"HTTP requests: (\d+) received, (\d+) answered", out)
+    assert counts is not None, out
+    received, answered = int(counts.group(1)), int(counts.group(2))
+    assert received == answered == result.statuses[200] + result.statuses.get(503, 0) + polls, (
+        out + result.summary()
+    )
+    # a request the client sent and the server never saw shows as ReadError/RemoteProtocolError
     assert set(result.errors) <= {"ConnectError"}, result.summary()

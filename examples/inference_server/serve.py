@@ -92,8 +92,9 @@ class ServerConfig:
     gc_freeze: bool = False
     #: at shutdown, keep accepting (answering 503, closing connections) until no request arrived
     #: for this many seconds, at most ``drain_limit`` (see drain.py)
-    drain_quiet: float = 0.25
-    drain_limit: float = 10.0
+    drain_quiet: float = 2.0
+    drain_limit: float = 30.0
+    drain_retry_after: int = 10  #: seconds, in every 503 while draining (longer than drain_quiet)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -219,6 +220,7 @@ class Service:
     lag: LoopLag = field(default_factory=lambda: LoopLag(0.005))
     ready: anyio.Event = field(default_factory=anyio.Event)
     stopped: anyio.Event = field(default_factory=anyio.Event)
+    drain: DrainGate | None = None  #: set by serve(): the HTTP requests received and answered
     draining: bool = False
     reniced: list[str] = field(default_factory=list)  #: worker threads given a lower priority
     metrics: ServerMetrics = field(init=False)
@@ -474,7 +476,7 @@ async def serve(
     hyper.loglevel = "WARNING"
     hyper.backlog = 1024
 
-    gate = DrainGate(service.metrics.middleware(app))
+    gate = service.drain = DrainGate(service.metrics.middleware(app), retry_after=config.drain_retry_after)
 
     async def trigger() -> None:
         await shutdown_trigger()
@@ -554,9 +556,12 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         service = await serve(config, sock, shutdown_trigger=wait_for_signal, on_ready=ready)
+        http = service.drain
+        assert http is not None
         print(
             f"stopped: {service.requests} requests answered, devices "
-            f"{'closed' if config.close_devices else 'left open'}",
+            f"{'closed' if config.close_devices else 'left open'}; "
+            f"HTTP requests: {http.received} received, {http.answered} answered",
             flush=True,
         )
 
