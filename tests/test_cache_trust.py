@@ -151,6 +151,7 @@ async def test_without_any_private_location_compiling_goes_on_uncached_and_queue
 # ---- created private, whatever the umask ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", loops())
 @pytest.mark.parametrize("umask", ["000", "277"])
 def test_the_cache_location_is_created_private_whatever_the_umask(
@@ -205,6 +206,7 @@ def plant(where: Path, native_names: list[str]) -> str:
     return src
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", loops())
 @pytest.mark.parametrize(
     "how",
@@ -299,6 +301,7 @@ async def test_a_damaged_compile_cache_entry_is_recompiled_with_one_warning(
         assert again.compiles == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", loops())
 def test_a_damaged_entry_costs_the_next_process_one_warning_and_the_one_after_none(
     loop: str, tmp_path: Path, tmpdir_base: Path
