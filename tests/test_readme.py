@@ -64,12 +64,15 @@ def test_readme_block_runs_as_a_script(name: str, source: str, tmp_path: Path) -
     assert result.returncode == 0, f"{name}:\n{source}\n{result.stdout}{result.stderr}"
 
 
-def installed_by_first_command() -> set[str]:
-    """The distributions ``pip install ".[extras]"`` (Quick start, first command) installs directly."""
+def installed_by_first_command(block: str = "") -> set[str]:
+    """The distributions ``pip install ".[extras]"`` (Quick start, first command) installs directly,
+    plus the extras a block names in a first line ``# needs: pip install -e ".[extra]"``."""
     first = quick_start()[0]
     match = re.match(r'pip install "?\.(?:\[([\w,]+)\])?"?\s', first)
     assert match is not None, first
     extras = match.group(1).split(",") if match.group(1) else []
+    needs = re.match(r'# needs: pip install (?:-e )?"\.\[([\w,]+)\]"', block)
+    extras += needs.group(1).split(",") if needs else []
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = list(project["dependencies"])
     for extra in extras:
@@ -78,10 +81,10 @@ def installed_by_first_command() -> set[str]:
 
 
 def test_every_block_imports_only_what_the_first_command_installs() -> None:
-    allowed = installed_by_first_command()
-    assert {"numpy", "trio"} <= allowed  # Buffer.numpy() and the trio variant need them
+    assert {"numpy", "trio"} <= installed_by_first_command()  # Buffer.numpy() and the trio variant
     dists = packages_distributions()
     for block in python_blocks():
+        allowed = installed_by_first_command(block)
         for node in ast.walk(ast.parse(block)):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
