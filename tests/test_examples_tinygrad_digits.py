@@ -4,7 +4,9 @@ over HTTP with the shipped weights at the accuracy the training script reached."
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,20 @@ EXAMPLE = ROOT / "examples" / "tinygrad_digits"
 if str(EXAMPLE) not in sys.path:
     sys.path.insert(0, str(EXAMPLE))
 
-import model  # noqa: E402
-import serve  # noqa: E402
+
+def _example(name: str) -> types.ModuleType:
+    """``examples/tinygrad_digits/<name>.py``, by path: the inference server example has a
+    ``serve`` module too, and a plain ``import serve`` returns whichever was imported first."""
+    spec = importlib.util.spec_from_file_location(f"tinygrad_digits_{name}", EXAMPLE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+model = _example("model")
+serve = _example("serve")
 
 import aiotinyrt as rt  # noqa: E402
 
