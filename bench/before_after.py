@@ -1,6 +1,6 @@
 """Run one benchmark script of bench/ on two checkouts, alternating, and print one table.
 
-    python bench/before_after.py BEFORE_DIR AFTER_DIR bench/launch.py --rounds 3 -- --quick
+    python bench/before_after.py --rounds 3 BEFORE_DIR AFTER_DIR bench/launch.py -- --quick
     python bench/before_after.py ../old . bench/pipeline.py -- --quick --loop trio
 
 Each checkout runs its own copy of the script with its own package first on ``PYTHONPATH``

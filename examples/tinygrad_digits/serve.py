@@ -56,7 +56,7 @@ class ServerConfig:
     max_wait: float = 0.002  # seconds the oldest queued request waits for a micro-batch to fill
     max_request: int = 64  # images per request
     capacity: int = 4096  # queued images before 503
-    #: ``aio``: micro-batched on AIO (the server). For bench/tinygrad.py: ``blocking`` calls the
+    #: ``aio``: micro-batched on AIO (the server). For bench/tinygrad_serving.py: ``blocking`` calls the
     #: model on tinygrad's own CPU device in the handler; ``executor`` does that in a one-thread
     #: executor (what services do today); ``http`` answers zeros without a model (a control).
     mode: str = "aio"
@@ -115,7 +115,7 @@ class LoopLag:
 
 
 class Direct:
-    """bench/tinygrad.py's baselines: the model on tinygrad's CPU device, one jit per request
+    """bench/tinygrad_serving.py's baselines: the model on tinygrad's CPU device, one jit per request
     size, called synchronously (in the handler, or in a one-thread executor)."""
 
     def __init__(self) -> None:

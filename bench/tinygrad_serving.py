@@ -1,7 +1,7 @@
 """tinygrad models served from async Python: tinygrad's CPU device against AIO, side by side.
 
-    python bench/tinygrad.py            # 2 repetitions, 1200 requests per loaded run (~3-5 min)
-    python bench/tinygrad.py --quick    # 1 repetition, 400 requests
+    python bench/tinygrad_serving.py            # 2 repetitions, 1200 requests per loaded run (~3-5 min)
+    python bench/tinygrad_serving.py --quick    # 1 repetition, 400 requests
 
 Part 1, serving. Each row starts ``examples/tinygrad_digits/serve.py --mode <mode>`` (the digits
 CNN, the same weights and the same request bodies for every row) in its own process:
