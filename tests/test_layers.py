@@ -25,7 +25,7 @@ LAYERS: list[list[str]] = [
     ["device"],
     ["host"],
     ["backends"],
-    ["tinygrad", "trace", "machine", "digits"],
+    ["tinygrad", "trace", "machine", "digits", "ray"],
     ["demo"],
     ["__init__"],
     ["__main__"],
