@@ -1,0 +1,187 @@
+"""Remote devices on Ray actors (aiotinyrt/ray.py), on a local Ray cluster this module starts
+once (two CPUs, no dashboard) and shuts down at the end; every async test runs on asyncio,
+trio and uvloop. Host actors ask for no CPU, so several fit on the small cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from aiotinyrt import Buffer, Device, DeviceError, dtypes  # noqa: E402
+from aiotinyrt import ray as airay  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+
+N = 4096
+FLOAT_SRC = """
+void poly(float *a, float *b, int n) {
+  for (int i = 0; i < n; i++) b[i] = a[i] * a[i] * 1.37f - a[i] / 3.0f + 0.1f;
+}
+"""
+ADD_SRC = "void add1(int *a) { for (int i = 0; i < 4096; i++) a[i] += 1; }"
+SPIN_SRC = "void spin(volatile int *a) { while (a[0] == 0) { } }"
+# (a second of work or so: still running when the client is long done submitting)
+SLOW_SRC = """
+void slow(int *a, int *b) {
+  unsigned x = (unsigned)a[0];
+  for (int i = 0; i < 100000000; i++) x = x * 1664525u + 1013904223u;
+  b[0] = (int)(x & 1) + a[0];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[str]:
+    """A local cluster and one device host, ``t``, for the whole module."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    actor = airay.start_host("t")
+    assert ray.get(actor.ping.remote(), timeout=120) == "t"
+    yield "t"
+    for dev in Device.opened():
+        if dev.name.startswith("RAY:"):
+            dev._shutdown(drop_queued=True, join_timeout=1.0)
+    airay._CONNECTIONS.clear()
+    ray.shutdown()
+
+
+def _backend_id(anyio_backend: Any) -> str:
+    name, options = anyio_backend
+    return "uvloop" if options.get("use_uvloop") else name
+
+
+async def _filled(device: str, values: np.ndarray[Any, Any]) -> Buffer:
+    buf = await Buffer(device, values.size, dtypes.from_name(str(values.dtype))).allocate()
+    await buf.copyin(values)
+    return buf
+
+
+async def test_bit_exact_against_local_cpu(host: str) -> None:
+    x = np.random.default_rng(7).standard_normal(N).astype(np.float32)
+    outs = []
+    for name in ("CPU", f"RAY:{host}/CPU"):
+        dev = Device[name]
+        prog = await dev.program("poly", FLOAT_SRC)
+        a = await _filled(name, x)
+        b = await Buffer(name, N, dtypes.float32).allocate()
+        await prog(a, b, vals=(N,))
+        out = np.empty(N, np.float32)
+        await b.copyout(out)
+        outs.append(out)
+        await a.free()
+        await b.free()
+    assert outs[0].tobytes() == outs[1].tobytes()
+    assert not np.array_equal(outs[1], x)
+
+
+async def test_one_actor_call_per_loop_turn(host: str) -> None:
+    dev = Device[f"RAY:{host}/CPU"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.zeros(N, np.int32))
+    await prog(a)  # (the program is on the host now)
+    calls = dev.conn.calls
+    sigs = [prog(a) for _ in range(50)]
+    assert not any(s.done() for s in sigs)  # returned at once, nothing sent yet
+    await sigs[-1]
+    assert all(s.done() for s in sigs)
+    assert dev.conn.calls == calls + 1  # fifty launches, one actor call
+    out = np.empty(N, np.int32)
+    await a.copyout(out)
+    assert (out == 51).all()  # in order, each after the one before (ordered on the host)
+    await a.free()
+
+
+async def test_views_and_wait_for_local_device(host: str) -> None:
+    dev = Device[f"RAY:{host}/CPU:1"]
+    prog = await dev.program("add1", ADD_SRC)
+    base = await _filled(dev.name, np.arange(2 * N, dtype=np.int32))
+    view = base.view(N, dtypes.int32, offset=N * 4)
+    local = Device["CPU"]
+    lprog = await local.program("add1", ADD_SRC)
+    lbuf = await _filled("CPU", np.zeros(N, np.int32))
+    first = lprog(lbuf)
+    sig = prog(view, wait_for=[first])  # a local dependency: held back, not waited for here
+    await sig
+    assert first.done()
+    out = np.empty(2 * N, np.int32)
+    await base.copyout(out)
+    expect = np.arange(2 * N, dtype=np.int32)
+    expect[N:] += 1
+    assert np.array_equal(out, expect)
+    await base.free()
+    await lbuf.free()
+
+
+async def test_cancelled_wait_leaves_remote_work_running(host: str) -> None:
+    dev = Device[f"RAY:{host}/CPU"]
+    prog = await dev.program("slow", SLOW_SRC)
+    a = await _filled(dev.name, np.full(1, 40, np.int32))
+    b = await Buffer(dev.name, 1, dtypes.int32).allocate()
+    sig = prog(a, b)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await sig
+    assert scope.cancelled_caught
+    assert not sig.done()  # (not even sent: the flush comes at the next loop turn)
+    a.free_nowait()  # its memory stays alive (here and on the host) until the launch is done
+    await sig
+    out = np.empty(1, np.int32)
+    await b.copyout(out)
+    assert out[0] in (40, 41)
+    await b.free()
+
+
+async def test_close_releases_every_remote_buffer(host: str) -> None:
+    name = f"RAY:{host}/CPU:2"
+    dev = Device[name]
+    before = await dev.statistics()
+    bufs = [await _filled(name, np.full(N, i, np.int32)) for i in range(4)]
+    during = await dev.statistics()
+    assert during["bytes_in_use"] == before["bytes_in_use"] + 4 * N * 4
+    await bufs[0].free()  # freed by the user; the other three only by closing
+    await dev.aclose()
+    after = await Device[name].statistics()
+    assert after["bytes_in_use"] == before["bytes_in_use"]
+    assert after["allocations"] == before["allocations"]
+
+
+async def test_killed_host_fails_pending_work_until_reset(host: str, anyio_backend: Any) -> None:
+    victim = f"victim-{_backend_id(anyio_backend)}"
+    actor = airay.start_host(victim)
+    await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
+    dev = Device[f"RAY:{victim}/CPU"]
+    prog = await dev.program("spin", SPIN_SRC)
+    flag = await _filled(dev.name, np.zeros(1, np.int32))
+    sig = prog(flag)  # never completes on its own
+    await anyio.sleep(0)  # (sent)
+    ray.kill(actor)
+    with pytest.raises(DeviceError, match=f"host {victim}: device lost"):
+        await sig
+    with pytest.raises(DeviceError, match="device lost"):  # sticky
+        await prog(flag)
+    actor = airay.start_host(victim)  # a new host of the same name; reset reconnects
+    await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
+    await dev.reset()
+    add = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.full(N, 2, np.int32))
+    await add(a)
+    out = np.empty(N, np.int32)
+    await a.copyout(out)
+    assert (out == 3).all()
+    await dev.aclose()
+    ray.kill(actor)
+
+
+async def test_bad_names(host: str) -> None:
+    with pytest.raises(ValueError, match="RAY:<host>/<device>"):
+        Device["RAY:nohostpart"]
+    with pytest.raises(DeviceError, match="no device host 'nobody'"):
+        Device["RAY:nobody/CPU"]
+    with pytest.raises(ValueError, match="host names"):
+        airay.start_host("a/b")
+    await anyio.sleep(0)
