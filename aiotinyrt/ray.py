@@ -205,7 +205,25 @@ class _Host:
             out = np.empty(buf.nbytes, np.uint8)
             await buf.copyout(out)
             return (0.0, None, out)
+        if op == "transfer":
+            _, _cid, dst, src, waits = cmd
+            await self._waits(sigs, waits)
+            await self._buffer(client, *dst).copy_from(self._buffer(client, *src))
+            return (0.0, None, None)
+        if op == "fetch":
+            _, _cid, dst, src_host, src_client, src, waits = cmd
+            await self._waits(sigs, waits)
+            data = await ray.get_actor(ACTOR_PREFIX + src_host).read.remote(src_client, src)
+            await self._buffer(client, *dst).copyin(data)
+            return (0.0, None, None)
         raise ValueError(f"unknown remote command {op!r}")
+
+    async def read(self, client: str, ref: tuple[int, int, int]) -> np.ndarray[Any, Any]:
+        """The bytes of one of ``client``'s buffers (another host's ``copy_from``)."""
+        buf = self._buffer(client, *ref)
+        out = np.empty(buf.nbytes, np.uint8)
+        await buf.copyout(out)
+        return out
 
 
 #: The Ray actor class of a device host (an async actor: commands run on its event loop).
@@ -215,11 +233,18 @@ HostActor = ray.remote(_Host)
 def start_host(name: str, **ray_options: Any) -> Any:
     """Start a device host called ``name`` and return its actor handle. ``ray_options`` go to
     ``HostActor.options`` (``num_cpus``, ``resources``, ``scheduling_strategy``, ...) and place
-    it; the actor is named ``aiotinyrt-host:<name>`` so clients find it by name."""
+    it; the actor is named ``aiotinyrt-host:<name>`` so clients find it by name. The host lives
+    as long as the process that started it (this module keeps the handle), or until
+    ``ray.kill``; pass ``lifetime="detached"`` for one that outlives it."""
     if not isinstance(name, str) or not name or "/" in name or ":" in name:
         raise ValueError(f"host names are non-empty and hold no '/' or ':', got {name!r}")
     options = {"num_cpus": 0, **ray_options, "name": ACTOR_PREFIX + name}
-    return HostActor.options(**options).remote(name)
+    handle = _STARTED[name] = HostActor.options(**options).remote(name)
+    return handle
+
+
+#: Handles of the hosts this process started (a named actor lives while a handle does).
+_STARTED: dict[str, Any] = {}
 
 
 # ---- the client -------------------------------------------------------------------------------
@@ -379,6 +404,13 @@ class RemoteAllocator(Allocator[RemoteHandle]):
     def _copyout(self, dest: memoryview, src: RemoteHandle) -> None:
         raise TypeError("remote copies run on the host (through the device's queue)")
 
+    def _transfer(self, dest: RemoteHandle, src: Any, nbytes: int, src_device: Any) -> None:
+        raise TypeError("remote copies run on the host (through the device's queue)")
+
+    def _can_transfer_from(self, src_device: Any) -> bool:
+        """Another RAY device: host to host, through Ray, never through this process."""
+        return isinstance(src_device, RAYDevice)
+
     def _offset(self, opaque: RemoteHandle, nbytes: int, offset: int) -> RemoteHandle:
         return RemoteHandle(opaque.id, nbytes, opaque.offset + offset)
 
@@ -448,6 +480,14 @@ class _QueueDriver:
         elif func is RemoteAllocator._copyout:
             out, src = args
             conn.submit(("copyout", cid, tuple(src), list(waits)), _reply(done, out))
+        elif func is RemoteAllocator._transfer:
+            dest, src, _nbytes, src_dev = args
+            if src_dev.conn is conn:
+                cmd = ("transfer", cid, tuple(dest), tuple(src), list(waits))
+            else:
+                src_conn = src_dev.conn
+                cmd = ("fetch", cid, tuple(dest), src_conn.host, src_conn.client, tuple(src), list(waits))
+            conn.submit(cmd, _reply(done))
         else:
             raise TypeError(f"{dev.name} runs only its own launches and copies, not {fn!r}")
         return cid

@@ -185,3 +185,22 @@ async def test_bad_names(host: str) -> None:
     with pytest.raises(ValueError, match="host names"):
         airay.start_host("a/b")
     await anyio.sleep(0)
+
+
+async def test_copy_from_host_to_host(host: str) -> None:
+    other = "t2"
+    if ray.util.list_named_actors().count(airay.ACTOR_PREFIX + other) == 0:
+        actor = airay.start_host(other)
+        await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
+    x = np.random.default_rng(3).integers(-(2**31), 2**31, N, dtype=np.int32)
+    src = await _filled(f"RAY:{host}/CPU", x)
+    for name in (f"RAY:{host}/CPU:1", f"RAY:{other}/CPU"):  # same host, then another host
+        dst = await Buffer(name, N, dtypes.int32).allocate()
+        src_copies = src.device_obj.queues["copy"].timeline.submitted
+        await dst.copy_from(src)
+        assert src.device_obj.queues["copy"].timeline.submitted == src_copies  # never staged here
+        out = np.empty(N, np.int32)
+        await dst.copyout(out)
+        assert np.array_equal(out, x)
+        await dst.free()
+    await src.free()
