@@ -302,9 +302,20 @@ Device = cast("_DeviceRegistry[Compiled]", registry.Device)
 
 
 def get_available_devices() -> list[str]:
-    """Names of the backends that open on this machine."""
+    """Names of the backends that open on this machine, and the names a backend lists itself
+    (a ``available_devices()`` on its class: ``RAY:<host>/CPU`` for every connected host)."""
     out = []
     for backend in Device.backends:
+        try:
+            lister = getattr(Device._backend_class(backend), "available_devices", None)
+        except Exception:
+            continue
+        if lister is not None:
+            try:
+                out.extend(lister())
+            except Exception:
+                pass
+            continue
         try:
             Device[backend]
         except Exception:

@@ -51,7 +51,7 @@ from aiotinyrt import native
 from aiotinyrt.allocator import Allocator, BufferSpec
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
-from aiotinyrt.device import Compiled, Device
+from aiotinyrt.device import Compiled, Device, get_available_devices
 from aiotinyrt.driverqueue import Done, DriverQueue
 from aiotinyrt.dtype import dtypes
 from aiotinyrt.program import Program
@@ -77,11 +77,16 @@ class RemoteError(RuntimeError):
 
 # ---- the host ---------------------------------------------------------------------------------
 
+#: True in a host actor's process.
+_IN_HOST = False
+
 
 class _Host:
     """The state of a device host (the body of :class:`HostActor`, usable without Ray)."""
 
     def __init__(self, name: str) -> None:
+        global _IN_HOST
+        _IN_HOST = True
         self.name = name
         self._bufs: dict[str, dict[int, tuple[str, Buffer]]] = {}  # client -> id -> (device, buffer)
         self._progs: dict[tuple[str, str], Program] = {}  # (device, content hash) -> program
@@ -96,6 +101,15 @@ class _Host:
     async def _device(self, name: str) -> Compiled:
         await native.prepare()
         return Device[name]
+
+    async def devices(self) -> list[str]:
+        """The devices that open on the host, with their indices (``CPU``, ``CPU:1``, ...)."""
+        await native.prepare()
+        out = []
+        for backend in await anyio.to_thread.run_sync(get_available_devices):
+            count = Device[backend].count() if backend == "CPU" else 1
+            out += [backend] + [f"{backend}:{i}" for i in range(1, count)]
+        return out
 
     async def compile(self, device: str, src: str) -> bytes:
         """Compile ``src`` for ``device`` through the host's compile cache."""
@@ -527,6 +541,18 @@ class RAYDevice(Compiled):
 
     def _make_queue(self, name: str) -> Queue:
         return DriverQueue(self, name, _QueueDriver(self), context=self.conn)
+
+    @staticmethod
+    def available_devices() -> list[str]:
+        """``RAY:<host>/<device>`` for every device of every host of the connected Ray cluster
+        (none when Ray is not initialized). Blocks for one call per host."""
+        if not ray.is_initialized() or _IN_HOST:
+            return []  # (a host lists its own devices only)
+        actors = ray.util.list_named_actors()
+        hosts = sorted(n[len(ACTOR_PREFIX) :] for n in actors if n.startswith(ACTOR_PREFIX))
+        refs = [ray.get_actor(ACTOR_PREFIX + h).devices.remote() for h in hosts]
+        names: list[list[str]] = ray.get(refs, timeout=60)
+        return [f"RAY:{h}/{d}" for h, devs in zip(hosts, names, strict=True) for d in devs]
 
     async def statistics(self) -> dict[str, Any]:
         """The host device's allocator statistics (a dict of ``AllocatorStatistics``' fields).

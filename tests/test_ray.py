@@ -13,7 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from aiotinyrt import Buffer, Device, DeviceError, dtypes  # noqa: E402
+from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -204,3 +204,10 @@ async def test_copy_from_host_to_host(host: str) -> None:
         assert np.array_equal(out, x)
         await dst.free()
     await src.free()
+
+
+async def test_available_devices_lists_remote_devices(host: str) -> None:
+    names = await anyio.to_thread.run_sync(get_available_devices)
+    assert "CPU" in names
+    assert f"RAY:{host}/CPU" in names and f"RAY:{host}/CPU:1" in names
+    assert all(not n.startswith("RAY:") or n.count("/") == 1 for n in names)
