@@ -554,6 +554,10 @@ class RAYDevice(Compiled):
         names: list[list[str]] = ray.get(refs, timeout=60)
         return [f"RAY:{h}/{d}" for h, devs in zip(hosts, names, strict=True) for d in devs]
 
+    def capture(self, **named: Buffer) -> Any:
+        """Not supported on RAY devices: raises ``NotImplementedError`` (nothing is recorded)."""
+        raise NotImplementedError(f"{self.name}: graph capture is not supported on RAY devices")
+
     async def statistics(self) -> dict[str, Any]:
         """The host device's allocator statistics (a dict of ``AllocatorStatistics``' fields).
 

@@ -184,6 +184,8 @@ async def test_bad_names(host: str) -> None:
         Device["RAY:nobody/CPU"]
     with pytest.raises(ValueError, match="host names"):
         airay.start_host("a/b")
+    with pytest.raises(NotImplementedError, match="graph capture"):
+        Device[f"RAY:{host}/CPU"].capture()
     await anyio.sleep(0)
 
 
