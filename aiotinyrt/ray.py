@@ -449,6 +449,8 @@ class RemoteProgram(Program):
 
     def __init__(self, device: RAYDevice, name: str, lib: bytes, **kwargs: Any) -> None:
         super().__init__(device, name, lib, **kwargs)
+        # as the host's program: a raw C kernel on a CPU host is called once and loops itself
+        self.RAW_USES_GLOBAL_SIZE = device.remote_name.partition(":")[0] != "CPU"  # type: ignore[misc]
         self.key = hashlib.sha256(name.encode() + b"\0" + self.lib).hexdigest()
 
     def _launcher(

@@ -184,9 +184,17 @@ async def test_bad_names(host: str) -> None:
         Device["RAY:nobody/CPU"]
     with pytest.raises(ValueError, match="host names"):
         airay.start_host("a/b")
+    dev = Device[f"RAY:{host}/CPU"]
     with pytest.raises(NotImplementedError, match="graph capture"):
-        Device[f"RAY:{host}/CPU"].capture()
-    await anyio.sleep(0)
+        dev.capture()
+    prog = await dev.program("add1", ADD_SRC)
+    a = await Buffer(dev.name, N, dtypes.int32).allocate()
+    submitted = dev.queues["compute"].timeline.submitted
+    with pytest.raises(ValueError, match="loops itself"):  # as on the host's CPU, before enqueueing
+        prog(a, global_size=(4,))
+    assert dev.queues["compute"].timeline.submitted == submitted
+    await prog(a)  # (the device is not failed)
+    await a.free()
 
 
 async def test_copy_from_host_to_host(host: str) -> None:
