@@ -4,6 +4,7 @@ ordering model. Test files import from here, never from each other."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -463,3 +464,8 @@ async def chain(
     for buf in bufs:
         await buf.free()
     assert int(word[0]) == model(launches), "a cross-device chain ran out of order"
+
+
+#: The event loops and queue workers the subprocess tests run under (``NATIVE_QUEUE=0``: python).
+LOOPS = ["asyncio", "trio"] + (["uvloop"] if importlib.util.find_spec("uvloop") is not None else [])
+WORKERS = ["native", "python"]

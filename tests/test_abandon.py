@@ -10,7 +10,6 @@ on both workers (the C ring and the pure-Python one, ``NATIVE_QUEUE=0``).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -19,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import LOOPS, WORKERS
+
+pytestmark = pytest.mark.slow  # subprocesses waiting out bounded closes
+
 ROOT = Path(__file__).resolve().parent.parent
 
-LOOPS = ["asyncio", "trio"] + (["uvloop"] if importlib.util.find_spec("uvloop") is not None else [])
-WORKERS = ["native", "python"]
 
 #: Sets ``started[0]``, then writes every 1024th int of ``out[0..n)`` over and over for ``ms``
 #: milliseconds: memory unmapped while it runs is a SIGSEGV within microseconds.

@@ -116,6 +116,7 @@ def fresh_inc() -> str:
 
 @pytest.mark.parametrize("loop", loops())
 @pytest.mark.parametrize("where", ["proc", "file in the way"])
+@pytest.mark.slow
 def test_an_unusable_cache_location_still_opens_null_and_cpu_with_one_warning(
     where: str, loop: str, tmp_path: Path, tmpdir_base: Path
 ) -> None:

@@ -217,6 +217,7 @@ async def test_vector_extensions_run() -> None:
     await out.free()
 
 
+@pytest.mark.slow
 async def test_a_large_kernel_and_an_object_larger_than_an_arena_run() -> None:
     dev = Device["CPU"]
     terms = "\n".join(
@@ -319,6 +320,7 @@ def _maps_of(lo: int, hi: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 async def test_code_is_never_writable_and_executable_and_many_programs_share_two_mappings() -> None:
     dev = Device["CPU"]
     src = "int g;\nvoid k(int *o, int v) { g += v; o[0] = g; }\n"

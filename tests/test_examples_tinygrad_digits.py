@@ -41,6 +41,7 @@ import aiotinyrt as rt  # noqa: E402
 TIMEOUT = 120  # seconds: a bound on every wait below, never a synchronisation
 
 
+@pytest.mark.slow
 def test_a_few_training_steps_through_aio_lower_the_loss() -> None:
     images, labels = model.held_out()  # (the shipped held-out set stands in for training data)
     cnn = model.DigitsCNN.init("AIO:3", seed=1)
@@ -72,6 +73,7 @@ async def running(**overrides: Any) -> AsyncIterator[str]:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_served_accuracy_on_the_held_out_digits_is_at_least_097() -> None:
     images, labels = model.held_out()
     predicted = np.full(len(labels), -1)
@@ -96,6 +98,7 @@ async def test_served_accuracy_on_the_held_out_digits_is_at_least_097() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_bad_requests_get_clear_status_codes() -> None:
     async with running() as url, httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
         assert (await client.post("/predict", content=b"{nope")).status_code == 400

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_abandon import LOOPS, WORKERS
-from tests.test_signals import INC, SPIN
+from tests.helpers import INC, LOOPS, SPIN, WORKERS
+
+pytestmark = pytest.mark.slow  # forked interpreters
 
 ROOT = Path(__file__).resolve().parent.parent
 

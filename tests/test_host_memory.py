@@ -17,7 +17,7 @@ import pytest
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, Device, dtypes, native
-from tests.test_signals import gate_on
+from tests.helpers import gate_on
 
 pytestmark = pytest.mark.anyio
 

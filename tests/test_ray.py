@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # a local Ray cluster per module
 
 N = 4096
 FLOAT_SRC = """
