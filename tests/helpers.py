@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,13 @@ from hypothesis import strategies as st
 
 import aiotinyrt as rt
 from aiotinyrt import Buffer, BufferSpec, Device, Program, Signal, dtypes, native
+from aiotinyrt.dtype import ALL_DTYPES, DType
+from aiotinyrt.kernel import (
+    BufferParam,
+    ClangRenderer,
+    IntParam,
+    Kernel,
+)
 
 #: Spins until flag[0] != 0 (gives up after 30 s so a failing test cannot hang the suite), then
 #: writes ``value`` to out[0]. Launch it with ``writes=(1,)``: it only reads the flag.
@@ -469,3 +476,255 @@ async def chain(
 #: The event loops and queue workers the subprocess tests run under (``NATIVE_QUEUE=0``: python).
 LOOPS = ["asyncio", "trio"] + (["uvloop"] if importlib.util.find_spec("uvloop") is not None else [])
 WORKERS = ["native", "python"]
+
+
+# ---- the renderer suite's kernels and their CPU runner (also run on CL) ----
+
+
+NDArray = Any  # numpy arrays (numpy is an optional test dependency)
+
+
+def f32(name: str, access: str = "r") -> BufferParam:
+    return BufferParam(name, dtypes.float32, access)  # type: ignore[arg-type]
+
+
+SAXPY = Kernel(
+    "saxpy",
+    [f32("out", "w"), f32("x"), f32("y"), IntParam("a")],
+    "out[gidx0] = a * x[gidx0] + y[gidx0];",
+)
+
+
+def _np_dtype(dt: DType) -> Any:
+    return np.dtype(np.uint16) if dt == dtypes.bfloat16 else np.dtype(dt.fmt)
+
+
+async def run_cpu(
+    kernel: Kernel,
+    global_size: Sequence[int],
+    arrays: Sequence[NDArray],
+    vals: Sequence[int] = (),
+    *,
+    core_count: int = 1,
+    core_ids: Sequence[int] | None = None,
+) -> list[NDArray]:
+    """Render for the CPU, load it as raw C with ``dev.program(name, src)`` and launch chunk
+    ``core_id`` of ``core_count`` for each id in ``core_ids`` (default: all, one after another);
+    return every buffer's contents."""
+    dev = Device["CPU"]
+    prog = await dev.program(kernel.name, ClangRenderer().render(kernel))
+    bufs = []
+    for param, array in zip(kernel.buffers, arrays, strict=True):
+        assert array.dtype == _np_dtype(param.dtype)
+        buf = await Buffer("CPU", array.size, param.dtype).allocate()
+        await buf.copyin(np.ascontiguousarray(array))
+        bufs.append(buf)
+    launch = kernel.launch_vals(vals, global_size)
+    for core_id in range(core_count) if core_ids is None else core_ids:
+        prog(*bufs, vals=(*launch, core_id, core_count), writes=kernel.writes)
+    outs = []
+    for buf, array in zip(bufs, arrays, strict=True):
+        out = np.empty_like(array)
+        await buf.copyout(out)
+        outs.append(out)
+        await buf.free()
+    return outs
+
+
+def bf16_to_f32(bits: NDArray) -> NDArray:
+    """bfloat16 bits (any unsigned int array) -> float32 values."""
+    result: NDArray = (bits.astype(np.uint32) << 16).view(np.float32)
+    return result
+
+
+def bf16_reference(x: NDArray) -> NDArray:
+    """float32 -> bfloat16 bits, round to nearest even, computed independently of the kernels'
+    bit trick: pick the nearer of the two bfloat16 neighbours in float64, ties to the even one."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    down = (bits >> 16).astype(np.uint32)
+    up = down + 1
+    with np.errstate(invalid="ignore", over="ignore"):
+        d_down = np.abs(x.astype(np.float64) - bf16_to_f32(down).astype(np.float64))
+        d_up = np.abs(bf16_to_f32(up).astype(np.float64) - x.astype(np.float64))
+    pick_up = (d_up < d_down) | ((d_up == d_down) & (down % 2 == 1))
+    out = np.where(pick_up, up, down).astype(np.uint16)
+    finite = np.isfinite(x)
+    # overflow past the largest finite bfloat16 rounds to infinity, which is the "up" neighbour
+    big = finite & (np.abs(x) > np.float32(3.3961776e38))
+    out[big] = np.where(x[big] > 0, 0x7F80, 0xFF80)
+    out[np.isinf(x)] = (bits[np.isinf(x)] >> 16).astype(np.uint16)
+    return out
+
+
+SPECIAL_F32 = np.array(
+    [0.0, -0.0, 1.0, -1.5, 3.14159265, 65504.0, 65520.0, 1e-8, 6e-5, 1e30, -1e38, 3.4e38, np.inf, -np.inf]
+    + [
+        float(np.uint32(b).view(np.float32))
+        for b in (0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000001, 0x7F7FFFFF)
+    ],
+    dtype=np.float32,
+)
+
+
+CONVERT = Kernel(
+    "convert16",
+    [
+        f32("x"),
+        BufferParam("h", dtypes.float16, "rw"),
+        BufferParam("b", dtypes.bfloat16, "rw"),
+        f32("back", "w"),
+    ],
+    "h[gidx0] = x[gidx0]; b[gidx0] = x[gidx0]; back[gidx0] = h[gidx0] + b[gidx0] * 0.0f;",
+)
+
+
+def _every_dtype_kernel() -> Kernel:
+    params: list[BufferParam | IntParam] = []
+    lines = []
+    for dt in ALL_DTYPES:
+        params += [BufferParam(f"a_{dt.name}", dt), BufferParam(f"o_{dt.name}", dt, "w")]
+        lines.append(f"o_{dt.name}[gidx0] = a_{dt.name}[gidx0] + a_{dt.name}[gidx0 + 1];")
+    return Kernel("every_dtype", params, "\n".join(lines))
+
+
+EVERY_DTYPE = _every_dtype_kernel()
+
+
+def _every_dtype_inputs(n: int) -> list[NDArray]:
+    rng = np.random.default_rng(7)
+    arrays = []
+    for dt in ALL_DTYPES:
+        if dt == dtypes.bool:
+            a = rng.integers(0, 2, n + 1).astype(np.bool_)
+        elif dt.is_int:
+            assert dt.fmt is not None
+            info = np.iinfo(dt.fmt)
+            a = rng.integers(info.min, info.max, n + 1, dtype=dt.fmt, endpoint=True)
+        elif dt == dtypes.bfloat16:
+            a = bf16_reference(rng.standard_normal(n + 1).astype(np.float32) * 100)
+        else:
+            a = (rng.standard_normal(n + 1) * 100).astype(dt.fmt)
+        arrays += [a, np.zeros(n + 1, _np_dtype(dt))]
+    return arrays
+
+
+MATMUL = Kernel(
+    "matmul",
+    [f32("c", "w"), f32("a"), f32("b"), IntParam("K")],
+    """
+    // c[M, N] = a[M, K] @ b[K, N]; gidx1 is the row, gidx0 the column, gsz0 = N
+    float32 acc = 0.0f;
+    for (int k = 0; k < K; k++) {
+      acc += a[gidx1 * K + k] * b[k * gsz0 + gidx0];
+    }
+    c[gidx1 * gsz0 + gidx0] = acc;
+    """,
+)
+
+
+GRID = Kernel(
+    "grid",
+    [BufferParam("o", dtypes.int32, "w")],
+    "o[(gidx2 * gsz1 + gidx1) * gsz0 + gidx0] = gidx0 + 100 * gidx1 + 10000 * gidx2 + 1;",
+)
+
+
+INTEGER_OPS = Kernel(
+    "integer_ops",
+    [
+        BufferParam("o", dtypes.int64, "w"),
+        BufferParam("u", dtypes.uint32, "w"),
+        BufferParam("a", dtypes.int32),
+    ],
+    """
+    int32 v = a[gidx0];
+    int64 acc = 0;
+    if (v % 3 == 0) { acc = v * 4294967296ll; } else if (v < 0) { acc = -v; } else { acc = v >> 1; }
+    acc += min(v, 5) + max(v, -5) * 2 + abs(v - 10);
+    acc ^= (v & 0xF0) | (v << 2);
+    acc += v > 3 && v <= 20 ? 1000 : -1000;
+    o[gidx0] = acc;
+    u[gidx0] = (uint32)v * 2654435761u >> 7;
+    """,
+)
+
+
+MATH = Kernel(
+    "math_funcs",
+    [BufferParam("o", dtypes.float32, "w"), BufferParam("d", dtypes.float64, "w"), f32("x")],
+    """
+    float v = x[gidx0];
+    int base = gidx0 * 8;
+    o[base + 0] = sqrt(fabs(v));
+    o[base + 1] = exp(v / 4.0f);
+    o[base + 2] = log(fabs(v) + 1.0f);
+    o[base + 3] = sin(v) + cos(v) + tanh(v);
+    o[base + 4] = floor(v) + ceil(v) * 10.0f + trunc(v) * 100.0f + round(v) * 1000.0f;
+    o[base + 5] = pow(fabs(v), 1.5f) + exp2(v / 8.0f) + log2(fabs(v) + 2.0f);
+    o[base + 6] = fmin(v, 0.5f) + fmax(v, -0.5f) + tan(v / 10.0f);
+    o[base + 7] = (float)(int)v;
+    d[gidx0] = sqrt((double)fabs(v)) + exp((double)v / 4.0);
+    """,
+)
+
+
+@dataclass
+class Case:
+    """A kernel with inputs, run on every backend that is here and compared."""
+
+    kernel: Kernel
+    global_size: tuple[int, int, int]
+    make_inputs: Callable[[], list[NDArray]]
+    vals: tuple[int, ...] = ()
+    exact: bool = True  # bit-exact across backends, else close (float math libraries differ)
+
+
+def _cases() -> list[Case]:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(64).astype(np.float32)
+    a_mm, b_mm = (
+        rng.standard_normal((9, 7)).astype(np.float32),
+        rng.standard_normal((7, 11)).astype(np.float32),
+    )
+    n = 33
+    return [
+        Case(SAXPY, (64, 1, 1), lambda: [np.zeros(64, np.float32), x, x * 2], (3,), exact=False),
+        Case(
+            MATMUL,
+            (11, 9, 1),
+            lambda: [np.zeros(99, np.float32), a_mm.ravel(), b_mm.ravel()],
+            (7,),
+            exact=False,
+        ),
+        Case(GRID, (5, 4, 3), lambda: [np.zeros(60, np.int32)]),
+        Case(
+            INTEGER_OPS,
+            (81, 1, 1),
+            lambda: [np.zeros(81, np.int64), np.zeros(81, np.uint32), np.arange(-40, 41, dtype=np.int32)],
+        ),
+        Case(
+            MATH,
+            (53, 1, 1),
+            lambda: [
+                np.zeros(53 * 8, np.float32),
+                np.zeros(53, np.float64),
+                np.linspace(-6.5, 6.5, 53).astype(np.float32),
+            ],
+            exact=False,
+        ),
+        Case(
+            CONVERT,
+            (SPECIAL_F32.size, 1, 1),
+            lambda: [
+                SPECIAL_F32,
+                np.zeros(SPECIAL_F32.size, np.float16),
+                np.zeros(SPECIAL_F32.size, np.uint16),
+                np.zeros(SPECIAL_F32.size, np.float32),
+            ],
+        ),
+        Case(EVERY_DTYPE, (n, 1, 1), lambda: _every_dtype_inputs(n)),
+    ]
+
+
+CASES = _cases()

@@ -15,7 +15,7 @@ import pytest
 from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
-from tests.test_renderer import CASES, Case, run_cpu
+from tests.helpers import CASES, Case, run_cpu
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,21 +38,26 @@ from aiotinyrt.kernel import (
     cpu_threads,
     render,
 )
+from tests.helpers import (
+    CASES,
+    CONVERT,
+    EVERY_DTYPE,
+    GRID,
+    INTEGER_OPS,
+    MATH,
+    MATMUL,
+    SAXPY,
+    SPECIAL_F32,
+    Case,
+    NDArray,
+    _every_dtype_inputs,
+    bf16_reference,
+    bf16_to_f32,
+    f32,
+    run_cpu,
+)
 
 pytestmark = pytest.mark.anyio
-
-NDArray = Any  # numpy arrays (numpy is an optional test dependency)
-
-
-def f32(name: str, access: str = "r") -> BufferParam:
-    return BufferParam(name, dtypes.float32, access)  # type: ignore[arg-type]
-
-
-SAXPY = Kernel(
-    "saxpy",
-    [f32("out", "w"), f32("x"), f32("y"), IntParam("a")],
-    "out[gidx0] = a * x[gidx0] + y[gidx0];",
-)
 
 
 # ---- kernel construction: every mistake is a clear KernelError, before anything compiles ---------
@@ -345,68 +349,6 @@ def test_cpu_threads_choice() -> None:
 # ---- running rendered kernels on the CPU ---------------------------------------------------------
 
 
-def _np_dtype(dt: DType) -> Any:
-    return np.dtype(np.uint16) if dt == dtypes.bfloat16 else np.dtype(dt.fmt)
-
-
-async def run_cpu(
-    kernel: Kernel,
-    global_size: Sequence[int],
-    arrays: Sequence[NDArray],
-    vals: Sequence[int] = (),
-    *,
-    core_count: int = 1,
-    core_ids: Sequence[int] | None = None,
-) -> list[NDArray]:
-    """Render for the CPU, load it as raw C with ``dev.program(name, src)`` and launch chunk
-    ``core_id`` of ``core_count`` for each id in ``core_ids`` (default: all, one after another);
-    return every buffer's contents."""
-    dev = Device["CPU"]
-    prog = await dev.program(kernel.name, ClangRenderer().render(kernel))
-    bufs = []
-    for param, array in zip(kernel.buffers, arrays, strict=True):
-        assert array.dtype == _np_dtype(param.dtype)
-        buf = await Buffer("CPU", array.size, param.dtype).allocate()
-        await buf.copyin(np.ascontiguousarray(array))
-        bufs.append(buf)
-    launch = kernel.launch_vals(vals, global_size)
-    for core_id in range(core_count) if core_ids is None else core_ids:
-        prog(*bufs, vals=(*launch, core_id, core_count), writes=kernel.writes)
-    outs = []
-    for buf, array in zip(bufs, arrays, strict=True):
-        out = np.empty_like(array)
-        await buf.copyout(out)
-        outs.append(out)
-        await buf.free()
-    return outs
-
-
-def bf16_to_f32(bits: NDArray) -> NDArray:
-    """bfloat16 bits (any unsigned int array) -> float32 values."""
-    result: NDArray = (bits.astype(np.uint32) << 16).view(np.float32)
-    return result
-
-
-def bf16_reference(x: NDArray) -> NDArray:
-    """float32 -> bfloat16 bits, round to nearest even, computed independently of the kernels'
-    bit trick: pick the nearer of the two bfloat16 neighbours in float64, ties to the even one."""
-    x = np.asarray(x, dtype=np.float32)
-    bits = x.view(np.uint32)
-    down = (bits >> 16).astype(np.uint32)
-    up = down + 1
-    with np.errstate(invalid="ignore", over="ignore"):
-        d_down = np.abs(x.astype(np.float64) - bf16_to_f32(down).astype(np.float64))
-        d_up = np.abs(bf16_to_f32(up).astype(np.float64) - x.astype(np.float64))
-    pick_up = (d_up < d_down) | ((d_up == d_down) & (down % 2 == 1))
-    out = np.where(pick_up, up, down).astype(np.uint16)
-    finite = np.isfinite(x)
-    # overflow past the largest finite bfloat16 rounds to infinity, which is the "up" neighbour
-    big = finite & (np.abs(x) > np.float32(3.3961776e38))
-    out[big] = np.where(x[big] > 0, 0x7F80, 0xFF80)
-    out[np.isinf(x)] = (bits[np.isinf(x)] >> 16).astype(np.uint16)
-    return out
-
-
 def test_bf16_reference_knows_the_textbook_cases() -> None:
     cases = {
         1.0: 0x3F80,
@@ -419,27 +361,6 @@ def test_bf16_reference_knows_the_textbook_cases() -> None:
     }
     got = bf16_reference(np.array(list(cases), dtype=np.float32))
     assert [int(v) for v in got] == list(cases.values())
-
-
-SPECIAL_F32 = np.array(
-    [0.0, -0.0, 1.0, -1.5, 3.14159265, 65504.0, 65520.0, 1e-8, 6e-5, 1e30, -1e38, 3.4e38, np.inf, -np.inf]
-    + [
-        float(np.uint32(b).view(np.float32))
-        for b in (0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000001, 0x7F7FFFFF)
-    ],
-    dtype=np.float32,
-)
-
-CONVERT = Kernel(
-    "convert16",
-    [
-        f32("x"),
-        BufferParam("h", dtypes.float16, "rw"),
-        BufferParam("b", dtypes.bfloat16, "rw"),
-        f32("back", "w"),
-    ],
-    "h[gidx0] = x[gidx0]; b[gidx0] = x[gidx0]; back[gidx0] = h[gidx0] + b[gidx0] * 0.0f;",
-)
 
 
 async def test_float16_and_bfloat16_stores_round_to_nearest_even() -> None:
@@ -465,36 +386,6 @@ async def test_bfloat16_nan_stays_nan() -> None:
     )
     assert np.isnan(h.astype(np.float32)).all()
     assert all((v & 0x7F80) == 0x7F80 and (v & 0x7F) != 0 for v in b.tolist())
-
-
-def _every_dtype_kernel() -> Kernel:
-    params: list[BufferParam | IntParam] = []
-    lines = []
-    for dt in ALL_DTYPES:
-        params += [BufferParam(f"a_{dt.name}", dt), BufferParam(f"o_{dt.name}", dt, "w")]
-        lines.append(f"o_{dt.name}[gidx0] = a_{dt.name}[gidx0] + a_{dt.name}[gidx0 + 1];")
-    return Kernel("every_dtype", params, "\n".join(lines))
-
-
-EVERY_DTYPE = _every_dtype_kernel()
-
-
-def _every_dtype_inputs(n: int) -> list[NDArray]:
-    rng = np.random.default_rng(7)
-    arrays = []
-    for dt in ALL_DTYPES:
-        if dt == dtypes.bool:
-            a = rng.integers(0, 2, n + 1).astype(np.bool_)
-        elif dt.is_int:
-            assert dt.fmt is not None
-            info = np.iinfo(dt.fmt)
-            a = rng.integers(info.min, info.max, n + 1, dtype=dt.fmt, endpoint=True)
-        elif dt == dtypes.bfloat16:
-            a = bf16_reference(rng.standard_normal(n + 1).astype(np.float32) * 100)
-        else:
-            a = (rng.standard_normal(n + 1) * 100).astype(dt.fmt)
-        arrays += [a, np.zeros(n + 1, _np_dtype(dt))]
-    return arrays
 
 
 def _every_dtype_expected(arrays: Sequence[NDArray], n: int) -> dict[str, NDArray]:
@@ -527,20 +418,6 @@ async def test_every_dtype_loads_computes_and_stores_exactly() -> None:
         assert got.tobytes() == want.tobytes(), f"{dt.name}: {got[:8]} != {want[:8]}"
 
 
-MATMUL = Kernel(
-    "matmul",
-    [f32("c", "w"), f32("a"), f32("b"), IntParam("K")],
-    """
-    // c[M, N] = a[M, K] @ b[K, N]; gidx1 is the row, gidx0 the column, gsz0 = N
-    float32 acc = 0.0f;
-    for (int k = 0; k < K; k++) {
-      acc += a[gidx1 * K + k] * b[k * gsz0 + gidx0];
-    }
-    c[gidx1 * gsz0 + gidx0] = acc;
-    """,
-)
-
-
 async def test_matmul_with_a_loop_matches_numpy() -> None:
     rng = np.random.default_rng(1)
     m, k, n = 33, 17, 45
@@ -555,13 +432,6 @@ async def test_saxpy_matches_numpy() -> None:
     y = np.full(1000, 0.25, np.float32)
     (out, _, _) = await run_cpu(SAXPY, (1000,), [np.zeros(1000, np.float32), x, y], [3])
     np.testing.assert_allclose(out, 3 * x + y, rtol=1e-6)
-
-
-GRID = Kernel(
-    "grid",
-    [BufferParam("o", dtypes.int32, "w")],
-    "o[(gidx2 * gsz1 + gidx1) * gsz0 + gidx0] = gidx0 + 100 * gidx1 + 10000 * gidx2 + 1;",
-)
 
 
 def _grid_expect(g0: int, g1: int, g2: int) -> NDArray:
@@ -602,26 +472,6 @@ async def test_core_id_out_of_range_does_nothing(core_id: int) -> None:
     assert o.tolist() == [0] * 8
 
 
-INTEGER_OPS = Kernel(
-    "integer_ops",
-    [
-        BufferParam("o", dtypes.int64, "w"),
-        BufferParam("u", dtypes.uint32, "w"),
-        BufferParam("a", dtypes.int32),
-    ],
-    """
-    int32 v = a[gidx0];
-    int64 acc = 0;
-    if (v % 3 == 0) { acc = v * 4294967296ll; } else if (v < 0) { acc = -v; } else { acc = v >> 1; }
-    acc += min(v, 5) + max(v, -5) * 2 + abs(v - 10);
-    acc ^= (v & 0xF0) | (v << 2);
-    acc += v > 3 && v <= 20 ? 1000 : -1000;
-    o[gidx0] = acc;
-    u[gidx0] = (uint32)v * 2654435761u >> 7;
-    """,
-)
-
-
 def _integer_ops_reference(a: NDArray) -> tuple[NDArray, NDArray]:
     o, u = [], []
     for v in a.tolist():
@@ -643,25 +493,6 @@ async def test_integer_control_flow_and_operators_match_c_semantics() -> None:
     want_o, want_u = _integer_ops_reference(a)
     assert o.tolist() == want_o.tolist()
     assert u.tolist() == want_u.tolist()
-
-
-MATH = Kernel(
-    "math_funcs",
-    [BufferParam("o", dtypes.float32, "w"), BufferParam("d", dtypes.float64, "w"), f32("x")],
-    """
-    float v = x[gidx0];
-    int base = gidx0 * 8;
-    o[base + 0] = sqrt(fabs(v));
-    o[base + 1] = exp(v / 4.0f);
-    o[base + 2] = log(fabs(v) + 1.0f);
-    o[base + 3] = sin(v) + cos(v) + tanh(v);
-    o[base + 4] = floor(v) + ceil(v) * 10.0f + trunc(v) * 100.0f + round(v) * 1000.0f;
-    o[base + 5] = pow(fabs(v), 1.5f) + exp2(v / 8.0f) + log2(fabs(v) + 2.0f);
-    o[base + 6] = fmin(v, 0.5f) + fmax(v, -0.5f) + tan(v / 10.0f);
-    o[base + 7] = (float)(int)v;
-    d[gidx0] = sqrt((double)fabs(v)) + exp((double)v / 4.0);
-    """,
-)
 
 
 def _math_reference(x: NDArray) -> tuple[NDArray, NDArray]:
@@ -844,65 +675,6 @@ int main(int argc, char **argv) {
 """
 
 
-@dataclass
-class Case:
-    """A kernel with inputs, run on every backend that is here and compared."""
-
-    kernel: Kernel
-    global_size: tuple[int, int, int]
-    make_inputs: Callable[[], list[NDArray]]
-    vals: tuple[int, ...] = ()
-    exact: bool = True  # bit-exact across backends, else close (float math libraries differ)
-
-
-def _cases() -> list[Case]:
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal(64).astype(np.float32)
-    a_mm, b_mm = (
-        rng.standard_normal((9, 7)).astype(np.float32),
-        rng.standard_normal((7, 11)).astype(np.float32),
-    )
-    n = 33
-    return [
-        Case(SAXPY, (64, 1, 1), lambda: [np.zeros(64, np.float32), x, x * 2], (3,), exact=False),
-        Case(
-            MATMUL,
-            (11, 9, 1),
-            lambda: [np.zeros(99, np.float32), a_mm.ravel(), b_mm.ravel()],
-            (7,),
-            exact=False,
-        ),
-        Case(GRID, (5, 4, 3), lambda: [np.zeros(60, np.int32)]),
-        Case(
-            INTEGER_OPS,
-            (81, 1, 1),
-            lambda: [np.zeros(81, np.int64), np.zeros(81, np.uint32), np.arange(-40, 41, dtype=np.int32)],
-        ),
-        Case(
-            MATH,
-            (53, 1, 1),
-            lambda: [
-                np.zeros(53 * 8, np.float32),
-                np.zeros(53, np.float64),
-                np.linspace(-6.5, 6.5, 53).astype(np.float32),
-            ],
-            exact=False,
-        ),
-        Case(
-            CONVERT,
-            (SPECIAL_F32.size, 1, 1),
-            lambda: [
-                SPECIAL_F32,
-                np.zeros(SPECIAL_F32.size, np.float16),
-                np.zeros(SPECIAL_F32.size, np.uint16),
-                np.zeros(SPECIAL_F32.size, np.float32),
-            ],
-        ),
-        Case(EVERY_DTYPE, (n, 1, 1), lambda: _every_dtype_inputs(n)),
-    ]
-
-
-CASES = _cases()
 CASES_BY_NAME = {c.kernel.name: c.kernel for c in CASES}
 
 
