@@ -9,6 +9,7 @@ The weights and held-out images live in ``aiotinyrt/data/digits_mlp.npz`` (packa
 from __future__ import annotations
 
 import ast
+import math
 import sys
 import zipfile
 from array import array
@@ -116,29 +117,39 @@ void init_dense(float* restrict packed, float* restrict b, int n_in, int n_out, 
 }
 """
 
-_NPY_TYPECODES = {"<f4": "f", "|u1": "B", "<u1": "B"}
+_NPY_TYPECODES = {"<f4": "f", "<f8": "d", "|u1": "B", "<u1": "B", "|i1": "b", "<i4": "i", "<i8": "q"}
 
 
 def read_npz(path: Any) -> dict[str, tuple[array[Any], tuple[int, ...]]]:
-    """The arrays of a ``.npz`` (float32 and uint8, C order) as ``name -> (array, shape)``, no numpy."""
+    """Read a ``.npz`` (as written by ``numpy.savez``/``savez_compressed``) without numpy.
+
+    Returns ``name -> (array, shape)``; only C-ordered arrays of the dtypes in ``_NPY_TYPECODES``.
+    """
     out: dict[str, tuple[array[Any], tuple[int, ...]]] = {}
     with zipfile.ZipFile(path) as zf:
         for member in zf.namelist():
             data = zf.read(member)
             if data[:6] != b"\x93NUMPY":
-                raise ValueError(f"{member} is not a .npy array")
-            size_bytes = 2 if data[6] == 1 else 4
-            start = 8 + size_bytes
-            header_len = int.from_bytes(data[8:start], "little")
+                raise ValueError(f"{path}: {member} is not a .npy array")
+            major = data[6]
+            if major == 1:
+                header_len, start = int.from_bytes(data[8:10], "little"), 10
+            else:
+                header_len, start = int.from_bytes(data[8:12], "little"), 12
             header = ast.literal_eval(data[start : start + header_len].decode("latin1"))
+            if header["fortran_order"]:
+                raise ValueError(f"{path}: {member} is Fortran-ordered")
             typecode = _NPY_TYPECODES.get(header["descr"])
-            if typecode is None or header["fortran_order"]:
-                raise ValueError(f"{member}: unsupported array {header}")
+            if typecode is None:
+                raise ValueError(f"{path}: {member} has unsupported dtype {header['descr']}")
             values = array(typecode)
             values.frombytes(data[start + header_len :])
-            if sys.byteorder == "big":
+            if sys.byteorder == "big" and values.itemsize > 1:
                 values.byteswap()
-            out[member.removesuffix(".npy")] = (values, tuple(header["shape"]))
+            shape = tuple(header["shape"])
+            if len(values) != math.prod(shape):
+                raise ValueError(f"{path}: {member} has {len(values)} values for shape {shape}")
+            out[member.removesuffix(".npy")] = (values, shape)
     return out
 
 

@@ -15,11 +15,7 @@ so the code below only enqueues and awaits.
 
 from __future__ import annotations
 
-import ast
 import itertools
-import math
-import sys
-import zipfile
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +26,7 @@ from typing import Any
 import anyio
 
 from aiotinyrt import Buffer, Compiled, Device, Program, Signal, dtypes
-from aiotinyrt.digits import KERNELS
+from aiotinyrt.digits import KERNELS, read_npz
 
 N_PIXELS = 64  #: 8 x 8 input pixels, 0..16
 N_CLASSES = 10
@@ -91,42 +87,6 @@ class TestSet:
 
     def image(self, i: int) -> list[int]:
         return self.images[i * N_PIXELS : (i + 1) * N_PIXELS].tolist()
-
-
-_NPY_TYPECODES = {"<f4": "f", "<f8": "d", "|u1": "B", "<u1": "B", "|i1": "b", "<i4": "i", "<i8": "q"}
-
-
-def read_npz(path: str | Path) -> dict[str, tuple[array[Any], tuple[int, ...]]]:
-    """Read a ``.npz`` (as written by ``numpy.savez``/``savez_compressed``) without numpy.
-
-    Returns ``name -> (array, shape)``; only C-ordered arrays of the dtypes in ``_NPY_TYPECODES``.
-    """
-    out: dict[str, tuple[array[Any], tuple[int, ...]]] = {}
-    with zipfile.ZipFile(path) as zf:
-        for member in zf.namelist():
-            data = zf.read(member)
-            if data[:6] != b"\x93NUMPY":
-                raise ValueError(f"{path}: {member} is not a .npy array")
-            major = data[6]
-            if major == 1:
-                header_len, start = int.from_bytes(data[8:10], "little"), 10
-            else:
-                header_len, start = int.from_bytes(data[8:12], "little"), 12
-            header = ast.literal_eval(data[start : start + header_len].decode("latin1"))
-            if header["fortran_order"]:
-                raise ValueError(f"{path}: {member} is Fortran-ordered")
-            typecode = _NPY_TYPECODES.get(header["descr"])
-            if typecode is None:
-                raise ValueError(f"{path}: {member} has unsupported dtype {header['descr']}")
-            values = array(typecode)
-            values.frombytes(data[start + header_len :])
-            if sys.byteorder == "big" and values.itemsize > 1:
-                values.byteswap()
-            shape = tuple(header["shape"])
-            if len(values) != math.prod(shape):
-                raise ValueError(f"{path}: {member} has {len(values)} values for shape {shape}")
-            out[member.removesuffix(".npy")] = (values, shape)
-    return out
 
 
 def default_weights_path() -> Path:
