@@ -146,13 +146,16 @@ async def test_memory_freed_around_a_fault_is_released_and_reset_is_complete() -
 # ---- the compiler hanging or dying --------------------------------------------------------------
 
 FAKE_CC = """#!/bin/sh
-# A C compiler that does what the control file says: ok (run clang), hang, or kill itself.
+# A C compiler that does what the control file says: ok (run clang), hang, or kill itself. It
+# reads the mode once it has been given a source, as a compiler started ahead of time would.
 case "$1" in --version) exec clang --version ;; esac
+head="$FAKE_CC_MODE.$$"
+head -c 1000 > "$head"  # (a process started ahead of its compile waits here)
 mode=$(cat "$FAKE_CC_MODE")
 case "$mode" in
-  hang) echo $$ > "$FAKE_CC_PID"; exec sleep 60 ;;
-  kill) head -c 1000 > /dev/null; kill -9 $$ ;;  # dies after reading (some of) its stdin
-  *) exec clang "$@" ;;
+  hang) rm -f "$head"; echo $$ > "$FAKE_CC_PID"; exec sleep 60 ;;
+  kill) rm -f "$head"; kill -9 $$ ;;  # dies after reading (some of) its stdin
+  *) { cat "$head"; cat; } | clang "$@"; status=$?; rm -f "$head"; exit $status ;;
 esac
 """
 

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,7 +28,7 @@ from aiotinyrt.compiler import CompileError, Compiler, compile_timeout
 from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
 from aiotinyrt.helpers import debug_level, find_cc, get_logger, getenv, getenv_str
-from aiotinyrt.host import elf
+from aiotinyrt.host import ccprocess, elf
 from aiotinyrt.kernel import ClangRenderer, Kernel, cpu_threads
 from aiotinyrt.program import Program
 
@@ -88,6 +87,9 @@ class ClangCompiler(Compiler):
     def __init__(self, cc: list[str]) -> None:
         super().__init__("compile_cpu_obj")  # the identity says "object": no shared object is ever loaded
         self.cc = cc
+        # gcc's assembler cannot write an object to a pipe; clang can
+        to_stdout = "clang" in os.path.basename(os.path.realpath(shutil.which(cc[0]) or cc[0]))
+        self._process = ccprocess.for_argv([*cc, *self.FLAGS, "-x", "c", "-"], to_stdout=to_stdout)
 
     async def identity(self) -> str:
         """Compiler path, ``--version`` banner, flags, machine and CPU model.
@@ -109,30 +111,26 @@ class ClangCompiler(Compiler):
         """
         if debug_level() >= 4:
             _log.debug("compiling:\n%s", src)
-        # the source goes through a file, not stdin: a compiler that dies early must not turn
-        # into a broken pipe on our side
-        tmp = await anyio.to_thread.run_sync(_write_source, src)
+        limit = compile_timeout()
+        job = ccprocess.Job()
         try:
-            out = os.path.join(tmp, "kernel.o")
-            argv = [*self.cc, *self.FLAGS, "-x", "c", os.path.join(tmp, "kernel.c"), "-o", out]
-            limit = compile_timeout()
-            try:
-                with anyio.fail_after(limit):
-                    result = await anyio.run_process(argv, check=False)
-            except TimeoutError:
-                raise CompileError(f"{self.cc[0]} did not finish within {limit:g} s", src=src) from None
-            if result.returncode != 0:
-                how = (
-                    f"was killed by signal {-result.returncode}"
-                    if result.returncode < 0
-                    else f"exited with status {result.returncode}"
-                )
-                diagnostics = (result.stderr or result.stdout).decode(errors="replace")
-                raise CompileError(f"{self.cc[0]} {how}", diagnostics, src)
-            return await anyio.to_thread.run_sync(Path(out).read_bytes)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(shutil.rmtree, tmp, True)
+            result = await anyio.to_thread.run_sync(
+                self._process.run, src.encode(), limit, job, abandon_on_cancel=True
+            )
+        except anyio.get_cancelled_exc_class():
+            job.cancel()
+            raise
+        if result.timed_out:
+            raise CompileError(f"{self.cc[0]} did not finish within {limit:g} s", src=src)
+        if result.returncode != 0:
+            how = (
+                f"was killed by signal {-result.returncode}"
+                if result.returncode < 0
+                else f"exited with status {result.returncode}"
+            )
+            diagnostics = (result.stderr or result.output).decode(errors="replace")
+            raise CompileError(f"{self.cc[0]} {how}", diagnostics, src)
+        return result.output
 
     def disassemble(self, lib: bytes) -> str:
         """objdump -d of the object, relocations shown (blocking; call it from a thread in async code)."""
@@ -143,12 +141,6 @@ class ClangCompiler(Compiler):
             f.write(lib)
             f.flush()
             return subprocess.run([objdump, "-dr", f.name], capture_output=True, text=True, check=True).stdout
-
-
-def _write_source(src: str) -> str:
-    tmp = tempfile.mkdtemp(prefix="aiotinyrt-")
-    Path(tmp, "kernel.c").write_text(src)
-    return tmp
 
 
 def _cpu_model() -> str:
