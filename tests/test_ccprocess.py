@@ -92,6 +92,7 @@ async def test_gcc_writes_its_object_to_a_file_and_leaves_none_behind() -> None:
     assert "error" in info.value.diagnostics
 
 
+@pytest.mark.slow
 async def test_a_timeout_kills_everything_the_compiler_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
