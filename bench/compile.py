@@ -198,6 +198,7 @@ async def compile_suite(backend: str, nonce: str, out: Samples, hits: int, tg: A
     # the same with no standby compiler process: one process started per compile, as serial
     # compilation is in the concurrency target (the standby lets even serial compiles use 2 cores)
     srcs = [compile_kernel(f"seqcold{nonce}{backend}", i) for i in range(16)]
+    saved = os.environ.get("CC_STANDBY")
     os.environ["CC_STANDBY"] = "0"
     try:
         dev.compiler._process.close()  # type: ignore[attr-defined]
@@ -206,7 +207,10 @@ async def compile_suite(backend: str, nonce: str, out: Samples, hits: int, tg: A
             await compiler.compile_cached(s)
         out.add(f"seq16cold/{backend}", (time.perf_counter() - start) * 1e3)
     finally:
-        del os.environ["CC_STANDBY"]
+        if saved is None:
+            del os.environ["CC_STANDBY"]
+        else:
+            os.environ["CC_STANDBY"] = saved
 
     srcs = [compile_kernel(f"con{nonce}{backend}", i) for i in range(16)]
     start = time.perf_counter()

@@ -28,6 +28,7 @@ import pytest
 import aiotinyrt as rt
 from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes
 from aiotinyrt.compiler import DiskCache
+from aiotinyrt.host import ccprocess
 from tests.helpers import FAULTY, INC, SPIN, gate_on, inject_failure, int_buffer
 
 pytestmark = pytest.mark.anyio
@@ -173,6 +174,7 @@ def fake_cc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("FAKE_CC_PID", str(tmp_path / "pid"))
     monkeypatch.setenv("COMPILE_TIMEOUT_S", "0.5")
     yield mode
+    ccprocess.close_compiler([str(script)])  # its process started ahead of a next compile
 
 
 def fresh_inc() -> str:

@@ -87,9 +87,7 @@ class ClangCompiler(Compiler):
     def __init__(self, cc: list[str]) -> None:
         super().__init__("compile_cpu_obj")  # the identity says "object": no shared object is ever loaded
         self.cc = cc
-        # gcc's assembler cannot write an object to a pipe; clang can
-        to_stdout = "clang" in os.path.basename(os.path.realpath(shutil.which(cc[0]) or cc[0]))
-        self._process = ccprocess.for_argv([*cc, *self.FLAGS, "-x", "c", "-"], to_stdout=to_stdout)
+        self._process = ccprocess.for_argv([*cc, *self.FLAGS, "-x", "c", "-"])
 
     async def identity(self) -> str:
         """Compiler path, ``--version`` banner, flags, machine and CPU model.
@@ -107,19 +105,12 @@ class ClangCompiler(Compiler):
         Raises ``CompileError`` with the compiler's diagnostics on failure, when the compiler is
         killed, or after ``COMPILE_TIMEOUT_S`` seconds (default 120).
 
-        Cancellation: the compiler process is killed and its temporary files removed.
+        Cancellation: the compiler process is killed.
         """
         if debug_level() >= 4:
             _log.debug("compiling:\n%s", src)
         limit = compile_timeout()
-        job = ccprocess.Job()
-        try:
-            result = await anyio.to_thread.run_sync(
-                self._process.run, src.encode(), limit, job, abandon_on_cancel=True
-            )
-        except anyio.get_cancelled_exc_class():
-            job.cancel()
-            raise
+        result = await self._process.compile(src.encode(), limit)
         if result.timed_out:
             raise CompileError(f"{self.cc[0]} did not finish within {limit:g} s", src=src)
         if result.returncode != 0:
