@@ -1,4 +1,4 @@
-"""Remote devices on Ray (aiotinyrt/ray.py) side by side with bare Ray, on a local cluster.
+"""Remote devices on Ray (aiotinyrt/ray/) side by side with bare Ray, on a local cluster.
 
     python bench/ray.py            # 5 repetitions, 10,000 pipelined launches, 64 MiB copies
     python bench/ray.py --quick    # 3 repetitions, 2,000 launches, 16 MiB copies
@@ -125,15 +125,23 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         add(f"copy_from host to host {copy_mib} MiB (GB/s)", gbs / await timed(lambda: far.copy_from(big)))
 
     anchor = statistics.median(rows["bare actor call, one after another (µs/call)"])
-    print(f"bench/ray.py: {reps} repetitions, medians; Ray {ray.__version__}, {os.cpu_count()} cores\n")
-    print("| row | median | vs bare actor call |")
+    med = {row: statistics.median(values) for row, values in rows.items()}
+    put = med[f"ray.put {copy_mib} MiB (GB/s)"]
+    get = med[f"ray.get {copy_mib} MiB into an array (GB/s)"]
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"bench/ray.py: {reps} repetitions, medians; Ray {ray.__version__}, {os.cpu_count()} cores")
+    print(f"load average at the end (1 / 5 / 15 min): {load}\n")
+    print("| row | median | vs bare actor call / the object store |")
     print("|---|---|---|")
-    for row, values in rows.items():
-        med = statistics.median(values)
-        ratio = f"{anchor / med:.1f}× the rate" if "µs" in row else ""
+    for row, value in med.items():
+        ratio = f"{anchor / value:.1f}× the rate" if "µs" in row else ""
         if "round trip" in row:
-            ratio = f"{med / anchor:.2f}× one call"
-        print(f"| {row} | {med:,.2f} | {ratio} |")
+            ratio = f"{value / anchor:.2f}× one call"
+        elif row.startswith(("copyin", "copy_from")):
+            ratio = f"{value / put:.0%} of ray.put"
+        elif row.startswith("copyout"):
+            ratio = f"{value / get:.0%} of ray.get into an array"
+        print(f"| {row} | {value:,.2f} | {ratio} |")
     for buf in (a, b, big, far):
         await buf.free()
     await dev.aclose()

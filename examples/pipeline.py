@@ -2,6 +2,7 @@
 
     python examples/pipeline.py                      # 48 micro-batches of 4096 floats
     python examples/pipeline.py --batches 8 --size 256 --iters 20
+    python examples/pipeline.py --ray                # the two stages on two Ray device hosts
 
 Stage 1 runs on the first device, its output is transferred to the second, stage 2 runs there.
 While stage 2 works on micro-batch i on CPU:1, stage 1 already works on micro-batch i+1 on CPU.
@@ -11,6 +12,12 @@ slot (micro-batch i+2 after micro-batch i) by itself, on the devices' worker thr
 
 The same code with both stages on one device is the baseline: the example prints the throughput
 of both and checks that they compute identical outputs. See docs/pipelining.md.
+
+With ``--ray`` the same pipeline runs with stage 1 on ``RAY:p1/CPU`` and stage 2 on
+``RAY:p2/CPU``, the CPUs of two device hosts (Ray actors, see docs/scale-out.md), next to the two
+local devices, and the outputs are checked identical. It joins the Ray cluster of
+``--ray-address`` (or of ``RAY_ADDRESS``; without either it starts a local one) and starts the
+hosts unless they run, spread over the cluster's nodes.
 """
 
 from __future__ import annotations
@@ -317,6 +324,28 @@ CONFIGS = {
     "two": ("two devices (CPU, CPU:1)", ("CPU", "CPU:1"), False),
     "graph": ("two devices, graph replay per micro-batch", ("CPU", "CPU:1"), True),
 }
+#: ``--ray``: the device hosts of the two stages, and the configuration that uses them
+RAY_HOSTS = ("p1", "p2")
+RAY_CONFIG = ("two Ray hosts (RAY:p1/CPU, RAY:p2/CPU)", ("RAY:p1/CPU", "RAY:p2/CPU"), False)
+
+
+def start_ray_hosts(address: str | None = None) -> None:
+    """Join a Ray cluster (``address``, else ``RAY_ADDRESS``, else a new local one) unless this
+    process is connected, and start the device hosts of :data:`RAY_HOSTS` that do not run yet,
+    spread over the cluster's nodes. Blocks until they answer."""
+    import ray  # (the optional ray extra: only this path needs it)
+
+    from aiotinyrt import ray as airay
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    running = ray.util.list_named_actors()
+    started = [
+        airay.start_host(host, scheduling_strategy="SPREAD")
+        for host in RAY_HOSTS
+        if airay.ACTOR_PREFIX + host not in running
+    ]
+    ray.get([actor.ping.remote() for actor in started], timeout=120)
 
 
 async def main(
@@ -325,9 +354,11 @@ async def main(
     iters: int = 200,
     depth: int = 2,
     only: Sequence[str] = tuple(CONFIGS),
+    ray: bool = False,
 ) -> dict[str, float]:
-    """Run the pipeline on one device and on two (``only``: those of :data:`CONFIGS`); print
-    and return micro-batches per second.
+    """Run the pipeline on one device and on two (``only``: those of :data:`CONFIGS`), and with
+    ``ray`` on two Ray device hosts (:data:`RAY_CONFIG`; call :func:`start_ray_hosts` first);
+    print and return micro-batches per second.
 
     Raises ``AssertionError`` if the configurations' outputs differ.
     """
@@ -335,7 +366,8 @@ async def main(
     data = [rng.random(size, dtype=np.float32) for _ in range(batches)]
     results: dict[str, float] = {}
     reference: list[FloatArray] | None = None
-    for label, devices, graph in (CONFIGS[name] for name in only):
+    configs = [CONFIGS[name] for name in only] + ([RAY_CONFIG] if ray else [])
+    for label, devices, graph in configs:
         rate, outputs = await throughput(devices, data, iters, depth, graph)
         if reference is None:
             reference = outputs
@@ -361,5 +393,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="configurations to run"
     )
+    parser.add_argument("--ray", action="store_true", help="also run the stages on two Ray device hosts")
+    parser.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: RAY_ADDRESS)")
     args = parser.parse_args()
-    anyio.run(main, args.batches, args.size, args.iters, args.depth, args.only)
+    if args.ray:
+        start_ray_hosts(args.ray_address)
+        args.only = [name for name in args.only if name != "graph"] or ["two"]  # (no capture on RAY)
+    anyio.run(main, args.batches, args.size, args.iters, args.depth, args.only, args.ray)

@@ -15,6 +15,7 @@ os.environ.setdefault("POCL_DEVICES", "pthread pthread pthread pthread")
 
 from aiotinyrt import Device, native
 from tests.fake_driver import FAKEDevice
+from tests.ray_cluster import ray_cluster, ray_host  # noqa: F401 - the shared Ray cluster's fixtures
 from tests.toy_backend import TOYDevice
 
 # The test backends of the conformance suite (tests/conformance): the skeleton of "Writing a

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import anyio
 import numpy as np
@@ -118,3 +120,19 @@ async def test_aclose_frees_everything_even_inside_a_cancelled_scope() -> None:
     for device in devices:
         await device.synchronize()
     assert [d.allocator.statistics().bytes_in_use for d in devices] == before
+
+
+@pytest.mark.slow  # (it needs the test run's local Ray cluster)
+def test_the_ray_flag_runs_the_stages_on_two_ray_hosts(ray_cluster: Any) -> None:
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address}  # join the run's cluster
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--ray", "--batches", "4", "--size", "64", "--iters", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert pipeline.RAY_CONFIG[0] in result.stdout and "two devices (CPU, CPU:1)" in result.stdout
+    assert "outputs identical in every configuration" in result.stdout

@@ -1,10 +1,9 @@
-"""Remote devices on Ray actors (aiotinyrt/ray.py), on a local Ray cluster this module starts
-once (two CPUs, no dashboard) and shuts down at the end; every async test runs on asyncio,
+"""Remote devices on Ray actors (aiotinyrt/ray/), on the test run's local Ray cluster
+(tests/ray_cluster.py: started once, shut down at the end); every async test runs on asyncio,
 trio and uvloop. Host actors ask for no CPU, so several fit on the small cluster."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -13,10 +12,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
+from tests.ray_cluster import STORE_BYTES  # noqa: E402
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # a local Ray cluster per module
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # (they need the local Ray cluster)
 
 N = 4096
 FLOAT_SRC = """
@@ -36,18 +38,10 @@ void slow(int *a, int *b) {
 """
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[str]:
-    """A local cluster and one device host, ``t``, for the whole module."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actor = airay.start_host("t")
-    assert ray.get(actor.ping.remote(), timeout=120) == "t"
-    yield "t"
-    for dev in Device.opened():
-        if dev.name.startswith("RAY:"):
-            dev._shutdown(drop_queued=True, join_timeout=1.0)
-    airay._CONNECTIONS.clear()
-    ray.shutdown()
+@pytest.fixture
+def host(ray_host: str) -> str:
+    """The test run's shared device host (tests/ray_cluster.py)."""
+    return ray_host
 
 
 def _backend_id(anyio_backend: Any) -> str:
@@ -221,3 +215,42 @@ async def test_available_devices_lists_remote_devices(host: str) -> None:
     assert "CPU" in names
     assert f"RAY:{host}/CPU" in names and f"RAY:{host}/CPU:1" in names
     assert all(not n.startswith("RAY:") or n.count("/") == 1 for n in names)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (one node start; the loops are covered above)
+async def test_copy_from_between_hosts_on_two_nodes_is_bit_exact(ray_cluster: Any) -> None:
+    node = await anyio.to_thread.run_sync(
+        lambda: ray_cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES, resources={"second": 1})
+    )
+    hosts = []
+    try:
+        await anyio.to_thread.run_sync(ray_cluster.wait_for_nodes)
+        head = airay.start_host("n1", resources={"second": 0}, scheduling_strategy=_on(ray_cluster.head_node))
+        far = airay.start_host("n2", resources={"second": 0.01})
+        hosts = [head, far]
+        nodes = await anyio.to_thread.run_sync(ray.get, [head.node.remote(), far.node.remote()])
+        assert nodes[0] != nodes[1] and nodes[1] == node.node_id  # a host on each node
+        x = np.random.default_rng(11).integers(-(2**31), 2**31, 1 << 18, dtype=np.int32)  # 1 MiB
+        a = await _filled("RAY:n1/CPU", x)
+        b = await Buffer("RAY:n2/CPU", x.size, dtypes.int32).allocate()
+        back = await Buffer("RAY:n1/CPU:1", x.size, dtypes.int32).allocate()
+        await b.copy_from(a)  # head node to the second node
+        add = await Device["RAY:n2/CPU"].program("add1", ADD_SRC)
+        await add(b.view(N, dtypes.int32))
+        await back.copy_from(b)  # and back
+        out = np.empty(x.size, np.int32)
+        await back.copyout(out)
+        expect = x.copy()
+        expect[:N] += 1
+        assert out.tobytes() == expect.tobytes()
+        for name in ("RAY:n1/CPU", "RAY:n1/CPU:1", "RAY:n2/CPU"):
+            await Device[name].aclose()
+    finally:
+        for actor in hosts:
+            ray.kill(actor)
+        await anyio.to_thread.run_sync(ray_cluster.remove_node, node)
+
+
+def _on(node: Any) -> Any:
+    """A scheduling strategy placing an actor on ``node`` (a cluster_utils node)."""
+    return NodeAffinitySchedulingStrategy(node.node_id, soft=False)

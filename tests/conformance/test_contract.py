@@ -1,8 +1,10 @@
 """The async contract, on every compute backend: CPU and NULL (host-run, C ring), TOY (the
 "writing a backend" skeleton: host-run, Python worker kernels), FAKE (driver-run queues over a
-fake driver that completes commands from its own threads) and CL (driver-run, OpenCL on PoCL:
-tests/conftest.py asks PoCL for four devices, so CL:1 and CL:3 exist). Each test names the backends it is
-meaningful on: NULL runs no code, so results are checked only where kernels compute.
+fake driver that completes commands from its own threads), CL (driver-run, OpenCL on PoCL:
+tests/conftest.py asks PoCL for four devices, so CL:1 and CL:3 exist) and RAY (a device host's
+CPU on the test run's local Ray cluster, tests/ray_cluster.py; marked slow, as it needs the
+cluster). Each test names the backends it is meaningful on: NULL runs no code, so results are
+checked only where kernels compute.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import mmap
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,8 +31,10 @@ from tests.helpers import GATE, INC, assert_cancelled_at_entry, fail_command
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-COMPUTING = ["CPU", "TOY", "FAKE", "CL"]
-EVERY = ["CPU", "NULL", "TOY", "FAKE", "CL"]
+#: The shared Ray host's CPU (tests/ray_cluster.py), slow: it needs the local cluster.
+RAY = pytest.param("RAY:t/CPU", marks=pytest.mark.slow, id="RAY")
+COMPUTING = ["CPU", "TOY", "FAKE", "CL", RAY]
+EVERY = ["CPU", "NULL", "TOY", "FAKE", "CL", RAY]
 
 PY_INC = "def inc(out):\n    out.cast('i')[0] += 1\n"
 PY_GATE = """
@@ -52,9 +57,27 @@ __kernel void gate(__global volatile int* flag, __global int* out, int value) {
 """
 
 
+#: RAY's gate: the host is another process, so the flag is a file (same machine), named by the
+#: NUL-terminated path in the flag buffer; the kernel polls for it (giving up after 20 s)
+RAY_GATE = """
+#include <time.h>
+#include <unistd.h>
+void gate(const char* restrict path, int* restrict out, int value) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  while (access(path, F_OK) != 0) {
+    usleep(100);
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (t.tv_sec - t0.tv_sec > 20) break;
+  }
+  out[0] = value;
+}
+"""
+
+
 def _source(device: str, c: str, cl: str, py: str) -> str:
     backend = device.partition(":")[0]
-    return c if backend in ("CPU", "NULL") else cl if backend == "CL" else py
+    return c if backend in ("CPU", "NULL", "RAY") else cl if backend == "CL" else py
 
 
 async def inc_program(device: str) -> Program:
@@ -75,8 +98,23 @@ class Gate:
         self.view.cast("i")[0] = 1
 
 
+class FileGate(Gate):
+    """RAY's gate: opening it creates the file whose path the flag buffer holds."""
+
+    def __init__(self, prog: Program, flag: Buffer, path: Path) -> None:
+        super().__init__(prog, flag, memoryview(b""))
+        self.path = path
+
+    def open(self) -> None:
+        self.path.touch()
+
+
 @asynccontextmanager
 async def gate_on(device: str) -> AsyncIterator[Gate]:
+    if device.startswith("RAY:"):
+        async with file_gate_on(device) as gate:
+            yield gate
+        return
     prog = await Device[device].program("gate", _source(device, GATE, CL_GATE, PY_GATE))
     if device.startswith("CL"):  # no host views of device memory: the flag is host memory
         host = mmap.mmap(-1, mmap.PAGESIZE)
@@ -96,6 +134,24 @@ async def gate_on(device: str) -> AsyncIterator[Gate]:
         await flag.free()
 
 
+@asynccontextmanager
+async def file_gate_on(device: str) -> AsyncIterator[Gate]:
+    prog = await Device[device].program("gate", RAY_GATE)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "open"
+        name = np.zeros(256, np.uint8)
+        name[: len(str(path))] = np.frombuffer(str(path).encode(), np.uint8)
+        flag = await Buffer(device, name.size, dtypes.uint8).allocate()
+        await flag.copyin(name)
+        gate = FileGate(prog, flag, path)
+        try:
+            yield gate
+        finally:
+            gate.open()
+            await Device[device].synchronize()
+            await flag.free()
+
+
 async def int_buffer(device: str, value: int = 0) -> Buffer:
     buf = await Buffer(device, 1, dtypes.int32).allocate()
     await buf.copyin(np.full(1, value, np.int32))
@@ -106,16 +162,23 @@ async def read(buf: Buffer) -> int:
     return int((await buf.numpy())[0])
 
 
+def _backend(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    if name.startswith("RAY:"):
+        request.getfixturevalue("ray_cluster")  # (the shared local cluster and its host t)
+    return name
+
+
 @pytest.fixture(params=COMPUTING)
 def computing(request: pytest.FixtureRequest) -> str:
     """A backend whose kernels compute."""
-    return str(request.param)
+    return _backend(request)
 
 
 @pytest.fixture(params=EVERY)
 def every(request: pytest.FixtureRequest) -> str:
     """Any backend."""
-    return str(request.param)
+    return _backend(request)
 
 
 async def test_launch_returns_a_pending_signal_at_once_and_await_gives_device_seconds(computing: str) -> None:
@@ -198,8 +261,10 @@ async def test_copy_from_within_one_device_is_ordered_after_the_source_write(com
 
 @pytest.mark.parametrize("dest", COMPUTING)
 async def test_copy_from_between_any_two_devices_is_ordered_after_the_source_write(
-    computing: str, dest: str
+    computing: str, dest: str, request: pytest.FixtureRequest
 ) -> None:
+    if dest.startswith("RAY:"):
+        request.getfixturevalue("ray_cluster")
     target = dest if dest != computing else f"{dest}:1"
     src = await int_buffer(computing)
     dst = await int_buffer(target, 5)
@@ -329,6 +394,8 @@ async def test_a_thousand_concurrent_awaits_cost_no_thread_each(computing: str) 
 
 
 async def test_captured_launches_replay_as_one_command(computing: str) -> None:
+    if computing.startswith("RAY:"):
+        pytest.skip("RAY devices have no graph capture: RAYDevice.capture raises NotImplementedError")
     dev = Device[computing]
     prog = await inc_program(computing)
     out = await int_buffer(computing)
@@ -394,6 +461,11 @@ import anyio
 import tests.conftest  # registers TOY and FAKE
 from tests.conformance.test_contract import inc_program, int_buffer
 
+if sys.argv[1].startswith("RAY:"):  # join the test run's cluster (RAY_ADDRESS), quietly
+    import ray
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    import aiotinyrt.ray
+
 async def main(device):
     prog = await inc_program(device)
     out = await int_buffer(device)
@@ -406,14 +478,17 @@ anyio.run(main, sys.argv[1])
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", EVERY)
-def test_exit_with_work_queued_is_quiet_and_successful(device: str) -> None:
+def test_exit_with_work_queued_is_quiet_and_successful(device: str, request: pytest.FixtureRequest) -> None:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if device.startswith("RAY:"):
+        env["RAY_ADDRESS"] = request.getfixturevalue("ray_cluster").address
     result = subprocess.run(
         [sys.executable, "-c", EXIT_SCRIPT, device],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("queued 2000"), result.stdout

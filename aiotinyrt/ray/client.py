@@ -1,23 +1,15 @@
-"""Remote devices on Ray actors, driven through the ordinary Device/Buffer/Program/Signal API.
-
-A *device host* is a Ray async actor (:class:`HostActor`) holding real aiotinyrt devices on its
-own event loop; :func:`start_host` starts one (placed by the Ray options given: resources, node
-affinity). Importing this module registers the ``RAY`` backend: ``Device["RAY:<host>/CPU:1"]``
-opens the host's ``CPU:1`` as a :class:`RAYDevice`, a ``Compiled`` whose four components are
-remote:
+"""The client side: ``RAY:<host>/<device>`` devices whose four components are remote.
 
 - the allocator hands out :class:`RemoteHandle`\\ s (ids of buffers held by the host);
 - the compiler compiles on the host (the host's compile cache);
 - a program is sent to the host once per connection, named by the hash of its binary;
 - the queues are driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`) whose driver is the
   actor: every command handed over in one loop turn travels in one actor call (a flush is
-  scheduled on the submitting loop), and the reply completes every Signal it covers, from a
-  waiter thread through the queue's thread-safe ``done`` callback (so trio works as asyncio and
-  uvloop do: no Ray ref is awaited on the loop).
-
-Order and hazards are resolved on the host: it takes a client's batches in the order they were
-sent and submits each command to its real devices in order, through real Buffers, whose access
-records order them; wait lists name earlier commands, which the host waits for itself.
+  scheduled on the submitting loop; a turn submitting more than :data:`BATCH_LIMIT` commands
+  sends a call every that many, so the host starts on them while the client still submits),
+  and the reply completes every Signal it covers, from a waiter thread through the queue's
+  thread-safe ``done`` callback (so trio works as asyncio and uvloop do: no Ray ref is awaited
+  on the loop).
 
 Faults: when the actor dies every pending command of its devices fails with a ``DeviceError``
 naming the host ("device lost"), sticky until ``reset()`` (which reconnects to the named actor)
@@ -33,235 +25,35 @@ import queue as _queue
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import anyio
 import anyio.to_thread
 import numpy as np
-import ray
 import sniffio
+from ray import cloudpickle
 
 try:
     import trio
 except ImportError:  # (trio is optional)
     trio = None  # type: ignore[assignment]
 
-from aiotinyrt import native
 from aiotinyrt.allocator import Allocator, BufferSpec
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
-from aiotinyrt.device import Compiled, Device, get_available_devices
+from aiotinyrt.device import Compiled, Device
 from aiotinyrt.driverqueue import Done, DriverQueue
-from aiotinyrt.dtype import dtypes
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
-from aiotinyrt.signal import DeviceError, Signal
+from aiotinyrt.ray import wire
+from aiotinyrt.ray.wire import Command, HostLost, RemoteError
+from aiotinyrt.signal import DeviceError
 
-#: Ray actor names of device hosts: ``aiotinyrt-host:<name>``.
-ACTOR_PREFIX = "aiotinyrt-host:"
-
-#: One command on the wire: a tuple whose first item names the operation.
-Command = tuple[Any, ...]
-#: What a command's reply is handed to: ``(result, error)``.
+#: What a command's reply is handed to: ``(reply entry, error)``.
 Reply = Callable[[Any, BaseException | None], None]
 
-
-class HostLost(RuntimeError):
-    """The device host's actor is gone (killed, its node lost)."""
-
-
-class RemoteError(RuntimeError):
-    """A command failed on the host; the message is the host's error."""
-
-
-# ---- the host ---------------------------------------------------------------------------------
-
-#: True in a host actor's process.
-_IN_HOST = False
-
-
-class _Host:
-    """The state of a device host (the body of :class:`HostActor`, usable without Ray)."""
-
-    def __init__(self, name: str) -> None:
-        global _IN_HOST
-        _IN_HOST = True
-        self.name = name
-        self._bufs: dict[str, dict[int, tuple[str, Buffer]]] = {}  # client -> id -> (device, buffer)
-        self._progs: dict[tuple[str, str], Program] = {}  # (device, content hash) -> program
-        self._sigs: dict[str, dict[int, Signal]] = {}  # client -> command id -> pending signal
-        self._next: dict[str, int] = {}  # client -> the batch whose turn it is
-        self._turn = asyncio.Condition()
-
-    async def ping(self) -> str:
-        """The host's name (a round trip)."""
-        return self.name
-
-    async def _device(self, name: str) -> Compiled:
-        await native.prepare()
-        return Device[name]
-
-    async def devices(self) -> list[str]:
-        """The devices that open on the host, with their indices (``CPU``, ``CPU:1``, ...)."""
-        await native.prepare()
-        out = []
-        for backend in await anyio.to_thread.run_sync(get_available_devices):
-            count = Device[backend].count() if backend == "CPU" else 1
-            out += [backend] + [f"{backend}:{i}" for i in range(1, count)]
-        return out
-
-    async def compile(self, device: str, src: str) -> bytes:
-        """Compile ``src`` for ``device`` through the host's compile cache."""
-        dev = await self._device(device)
-        return await dev.compiler.compile_cached(src)
-
-    async def statistics(self, device: str) -> dict[str, Any]:
-        """The host device's allocator statistics, as a dict."""
-        dev = await self._device(device)
-        return asdict(dev.allocator.statistics())
-
-    async def buffers(self, client: str) -> int:
-        """How many buffers ``client`` holds here."""
-        return len(self._bufs.get(client, {}))
-
-    async def reset(self, device: str) -> None:
-        """Clear the host device's sticky error (``Compiled.reset``)."""
-        dev = await self._device(device)
-        await dev.reset()
-
-    async def release(self, client: str, device: str | None = None) -> int:
-        """Free every buffer ``client`` holds (on ``device`` only, if given); returns how many."""
-        bufs = self._bufs.get(client, {})
-        gone = [i for i, (dev, _) in bufs.items() if device is None or dev == device]
-        for i in gone:
-            bufs.pop(i)[1].free_nowait()
-        await anyio.sleep(0)
-        return len(gone)
-
-    async def run(self, client: str, seq: int, batch: list[Command]) -> list[Any]:
-        """Run one batch of ``client``'s commands, after its earlier batches were submitted; the
-        reply holds one ``(seconds, error message or None, payload)`` per command."""
-        async with self._turn:
-            await self._turn.wait_for(lambda: self._next.get(client, 1) == seq)
-        results: list[Any] = [None] * len(batch)
-        sigs = self._sigs.setdefault(client, {})
-        waiting: list[tuple[int, int, Signal]] = []
-        try:
-            for i, cmd in enumerate(batch):
-                try:
-                    out = await self._submit(client, sigs, cmd)
-                except Exception as exc:
-                    results[i] = (0.0, f"{self.name}: {exc}", None)
-                    continue
-                if isinstance(out, Signal):
-                    sigs[cmd[1]] = out
-                    waiting.append((i, cmd[1], out))
-                else:
-                    results[i] = out
-        finally:
-            self._next[client] = seq + 1
-            async with self._turn:
-                self._turn.notify_all()
-        for i, cid, sig in waiting:
-            try:  # (most are done by the time the last one is: no loop round trip for them)
-                results[i] = (sig.result() if sig.done() else await sig, None, None)
-            except Exception as exc:
-                results[i] = (0.0, f"{self.name}: {exc}", None)
-            sigs.pop(cid, None)
-        return results
-
-    def _buffer(self, client: str, rid: int, nbytes: int, offset: int) -> Buffer:
-        base = self._bufs[client][rid][1]
-        if offset == 0 and nbytes == base.nbytes:
-            return base
-        return base.view(nbytes, dtypes.uint8, offset)
-
-    async def _waits(self, sigs: dict[int, Signal], waits: Sequence[int]) -> None:
-        for w in waits:
-            sig = sigs.get(w)
-            if sig is not None:
-                await sig
-
-    async def _submit(self, client: str, sigs: dict[int, Signal], cmd: Command) -> Any:
-        op = cmd[0]
-        if op == "alloc":
-            _, device, rid, nbytes, zero = cmd
-            buf = Buffer(device, nbytes, dtypes.uint8, BufferSpec(zero=zero) if zero else None)
-            await self._device(device)
-            self._bufs.setdefault(client, {})[rid] = (device, await buf.allocate())
-            return None
-        if op == "free":
-            entry = self._bufs.get(client, {}).pop(cmd[1], None)
-            if entry is not None:
-                entry[1].free_nowait()
-            return None
-        if op == "load":
-            _, device, key, name, lib = cmd
-            if (device, key) not in self._progs:
-                self._progs[(device, key)] = (await self._device(device)).runtime(name, lib)
-            return None
-        if op == "launch":
-            _, _cid, device, key, refs, gsz, lsz, vals, waits = cmd
-            bufs = [self._buffer(client, *r) for r in refs]
-            deps = [sigs[w] for w in waits if w in sigs]
-            prog = self._progs[(device, key)]
-            return prog(*bufs, global_size=gsz, local_size=lsz, vals=vals, wait_for=deps)
-        if op == "copyin":
-            _, _cid, ref, data, waits = cmd
-            await self._waits(sigs, waits)
-            await self._buffer(client, *ref).copyin(data)
-            return (0.0, None, None)
-        if op == "copyout":
-            _, _cid, ref, waits = cmd
-            await self._waits(sigs, waits)
-            buf = self._buffer(client, *ref)
-            out = np.empty(buf.nbytes, np.uint8)
-            await buf.copyout(out)
-            return (0.0, None, out)
-        if op == "transfer":
-            _, _cid, dst, src, waits = cmd
-            await self._waits(sigs, waits)
-            await self._buffer(client, *dst).copy_from(self._buffer(client, *src))
-            return (0.0, None, None)
-        if op == "fetch":
-            _, _cid, dst, src_host, src_client, src, waits = cmd
-            await self._waits(sigs, waits)
-            data = await ray.get_actor(ACTOR_PREFIX + src_host).read.remote(src_client, src)
-            await self._buffer(client, *dst).copyin(data)
-            return (0.0, None, None)
-        raise ValueError(f"unknown remote command {op!r}")
-
-    async def read(self, client: str, ref: tuple[int, int, int]) -> np.ndarray[Any, Any]:
-        """The bytes of one of ``client``'s buffers (another host's ``copy_from``)."""
-        buf = self._buffer(client, *ref)
-        out = np.empty(buf.nbytes, np.uint8)
-        await buf.copyout(out)
-        return out
-
-
-#: The Ray actor class of a device host (an async actor: commands run on its event loop).
-HostActor = ray.remote(_Host)
-
-
-def start_host(name: str, **ray_options: Any) -> Any:
-    """Start a device host called ``name`` and return its actor handle. ``ray_options`` go to
-    ``HostActor.options`` (``num_cpus``, ``resources``, ``scheduling_strategy``, ...) and place
-    it; the actor is named ``aiotinyrt-host:<name>`` so clients find it by name. The host lives
-    as long as the process that started it (this module keeps the handle), or until
-    ``ray.kill``; pass ``lifetime="detached"`` for one that outlives it."""
-    if not isinstance(name, str) or not name or "/" in name or ":" in name:
-        raise ValueError(f"host names are non-empty and hold no '/' or ':', got {name!r}")
-    options = {"num_cpus": 0, **ray_options, "name": ACTOR_PREFIX + name}
-    handle = _STARTED[name] = HostActor.options(**options).remote(name)
-    return handle
-
-
-#: Handles of the hosts this process started (a named actor lives while a handle does).
-_STARTED: dict[str, Any] = {}
-
-
-# ---- the client -------------------------------------------------------------------------------
+#: Commands per actor call at most: a loop turn submitting more sends a call every this many.
+BATCH_LIMIT = 1024
 
 
 class _Connection:
@@ -283,7 +75,7 @@ class _Connection:
     def connect(self) -> None:
         """(Re)connect to the named actor; a new client id, nothing loaded there yet."""
         try:
-            self.actor = ray.get_actor(ACTOR_PREFIX + self.host)
+            self.actor = wire.STORE.actor(self.host)
         except ValueError as exc:
             raise DeviceError(f"no device host {self.host!r} is running", device=f"RAY:{self.host}") from exc
         self.client = uuid.uuid4().hex
@@ -301,9 +93,14 @@ class _Connection:
         with self._lock:
             self._batch.append(cmd)
             self._replies.append(reply)
-            if self._scheduled:
+            full = len(self._batch) >= BATCH_LIMIT
+            scheduled = self._scheduled
+            if scheduled and not full:
                 return
             self._scheduled = True
+        if full:  # (a flush scheduled for the turn's end sends whatever follows)
+            self._send(scheduled=scheduled)
+            return
         try:
             asyncio.get_running_loop().call_soon(self.flush)
             return
@@ -320,9 +117,13 @@ class _Connection:
 
     def flush(self) -> None:
         """Send the queued commands in one actor call (any thread)."""
+        self._send(scheduled=False)
+
+    def _send(self, scheduled: bool) -> None:
+        """Send the queued commands; ``scheduled``: a flush stays scheduled for what follows."""
         with self._lock:
             batch, replies = self._batch, self._replies
-            self._batch, self._replies, self._scheduled = [], [], False
+            self._batch, self._replies, self._scheduled = [], [], scheduled
             if not batch:
                 return
             self._seq += 1
@@ -331,7 +132,7 @@ class _Connection:
             _fail(replies, HostLost(lost))
             return
         try:
-            ref: Any = self.actor.run.remote(self.client, seq, batch)
+            ref: Any = self.actor.run.remote(self.client, seq, *wire.encode(batch))
         except Exception as exc:
             _fail(replies, HostLost(f"host {self.host}: device lost ({exc!r})"))
             return
@@ -348,7 +149,7 @@ class _Connection:
                 return
             ref, replies = item
             try:
-                results = ray.get(ref)
+                results = wire.STORE.get(ref)
             except Exception as exc:
                 self.lost = f"host {self.host}: device lost ({type(exc).__name__})"
                 _fail(replies, HostLost(self.lost))
@@ -383,7 +184,7 @@ def _connection(host: str) -> _Connection:
 async def _get(ref: Any) -> Any:
     """The value of a Ray ref, waited for off the loop (any event loop). Cancellation: cancels
     the wait; the remote call goes on."""
-    return await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
+    return await anyio.to_thread.run_sync(wire.STORE.get, ref, abandon_on_cancel=True)
 
 
 class RemoteHandle(NamedTuple):
@@ -405,12 +206,12 @@ class RemoteAllocator(Allocator[RemoteHandle]):
     def _alloc(self, nbytes: int, options: BufferSpec) -> RemoteHandle:
         dev = self.remote
         rid = dev.conn.new_id()
-        dev.conn.submit(("alloc", dev.remote_name, rid, nbytes, options.zero), None)
+        dev.conn.submit((wire.ALLOC, dev.remote_name, rid, nbytes, options.zero), None)
         return RemoteHandle(rid, nbytes)
 
     def _free(self, opaque: RemoteHandle, nbytes: int, options: BufferSpec) -> None:
         if not self.remote.released:
-            self.remote.conn.submit(("free", opaque.id), None)
+            self.remote.conn.submit((wire.FREE, opaque.id), None)
 
     def _copyin(self, dest: RemoteHandle, src: memoryview) -> None:
         raise TypeError("remote copies run on the host (through the device's queue)")
@@ -469,57 +270,71 @@ class RemoteProgram(Program):
 class _QueueDriver:
     """The Driver of one queue of a RAY device: turns each command into a stream command."""
 
-    def __init__(self, device: RAYDevice) -> None:
+    def __init__(self, device: RAYDevice, queue: str) -> None:
         self.device = device
+        self.queue = queue
 
     def enqueue(
         self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
     ) -> object:
         dev = self.device
         conn = dev.conn
-        cid = conn.new_id()
-        func = getattr(fn, "__func__", None)
+        cid = next(conn._ids)
         owner = getattr(fn, "__self__", None)
-        if func is RemoteProgram._remote_launch and isinstance(owner, RemoteProgram):
+        if owner.__class__ is RemoteProgram and fn.__func__ is RemoteProgram._remote_launch:  # type: ignore[attr-defined]
             handles, gsz, lsz, vals = args
-            loaded = (dev.remote_name, owner.key)
-            if loaded not in conn.loaded:
-                conn.loaded.add(loaded)
-                conn.submit(("load", dev.remote_name, owner.key, owner.name, owner.lib), None)
-            refs = [tuple(h) for h in handles]
-            cmd: Command = ("launch", cid, dev.remote_name, owner.key, refs, gsz, lsz, vals, list(waits))
-            conn.submit(cmd, _reply(done))
-        elif func is RemoteAllocator._copyin:
+            remote = dev.remote_name
+            if (remote, owner.key) not in conn.loaded:
+                conn.loaded.add((remote, owner.key))
+                conn.submit((wire.LOAD, remote, owner.key, owner.name, owner.lib), None)
+            refs = [(h.id, h.nbytes, h.offset) for h in handles]
+            cmd: Command = (wire.LAUNCH, cid, remote, owner.key, refs, gsz, lsz, vals, list(waits))
+            conn.submit(cmd, _reply(dev, done))
+            return cid
+        func = getattr(fn, "__func__", None)
+        if func is RemoteAllocator._copyin:
             dest, src = args
             data = np.frombuffer(src, np.uint8)
-            conn.submit(("copyin", cid, tuple(dest), data, list(waits)), _reply(done))
+            conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
         elif func is RemoteAllocator._copyout:
             out, src = args
-            conn.submit(("copyout", cid, tuple(src), list(waits)), _reply(done, out))
+            conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
         elif func is RemoteAllocator._transfer:
             dest, src, _nbytes, src_dev = args
             if src_dev.conn is conn:
-                cmd = ("transfer", cid, tuple(dest), tuple(src), list(waits))
+                cmd = (wire.TRANSFER, cid, tuple(dest), tuple(src), list(waits))
             else:
                 src_conn = src_dev.conn
-                cmd = ("fetch", cid, tuple(dest), src_conn.host, src_conn.client, tuple(src), list(waits))
-            conn.submit(cmd, _reply(done))
-        else:
-            raise TypeError(f"{dev.name} runs only its own launches and copies, not {fn!r}")
+                cmd = (wire.FETCH, cid, tuple(dest), src_conn.host, src_conn.client, tuple(src), list(waits))
+            conn.submit(cmd, _reply(dev, done))
+        else:  # any other callable runs on the host's queue of this name (it must pickle)
+            try:
+                blob = cloudpickle.dumps((fn, args))  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                raise TypeError(f"{dev.name} runs only callables that pickle; {fn!r}: {exc}") from exc
+            conn.submit((wire.CALL, cid, dev.remote_name, self.queue, blob), _reply(dev, done))
         return cid
 
 
-def _reply(done: Done, out: memoryview | None = None) -> Reply:
+def _reply(device: RAYDevice, done: Done, out: memoryview | None = None) -> Reply:
+    """The reply handler of one command: its entry (see :mod:`aiotinyrt.ray.wire`) to ``done``;
+    a copyout's bytes (small ones in the entry, else an object ref) land in ``out``."""
+
     def reply(result: Any, error: BaseException | None) -> None:
         if error is not None:
             done(0.0, error)
             return
-        seconds, message, payload = result
-        if message is not None:
-            done(seconds, RemoteError(message))
+        if result.__class__ is float:
+            done(result, None)
+            return
+        seconds, message, payload, cause = result
+        if message is not None:  # (behind an earlier failure of this device: its sticky error)
+            sticky = device._error
+            done(seconds, sticky or (cause if cause is not None else RemoteError(message)))
             return
         if out is not None:
-            np.copyto(np.frombuffer(out, np.uint8), payload)
+            data = wire.STORE.get(payload[0]) if isinstance(payload, list) else payload
+            np.copyto(np.frombuffer(out, np.uint8), data)  # (zero-copy read of the store)
         done(seconds, None)
 
     return reply
@@ -542,18 +357,18 @@ class RAYDevice(Compiled):
         super().__init__(name, RemoteAllocator(self), RemoteCompiler(self), RemoteProgram)
 
     def _make_queue(self, name: str) -> Queue:
-        return DriverQueue(self, name, _QueueDriver(self), context=self.conn)
+        return DriverQueue(self, name, _QueueDriver(self, name), context=self.conn)
 
     @staticmethod
     def available_devices() -> list[str]:
         """``RAY:<host>/<device>`` for every device of every host of the connected Ray cluster
         (none when Ray is not initialized). Blocks for one call per host."""
-        if not ray.is_initialized() or _IN_HOST:
+        if getattr(wire.listing, "active", False):
             return []  # (a host lists its own devices only)
-        actors = ray.util.list_named_actors()
-        hosts = sorted(n[len(ACTOR_PREFIX) :] for n in actors if n.startswith(ACTOR_PREFIX))
-        refs = [ray.get_actor(ACTOR_PREFIX + h).devices.remote() for h in hosts]
-        names: list[list[str]] = ray.get(refs, timeout=60)
+        store = wire.STORE
+        hosts = store.hosts()
+        refs = [store.actor(h).devices.remote() for h in hosts]
+        names: list[list[str]] = [store.get(ref, timeout=60) for ref in refs]
         return [f"RAY:{h}/{d}" for h, devs in zip(hosts, names, strict=True) for d in devs]
 
     def capture(self, **named: Buffer) -> Any:

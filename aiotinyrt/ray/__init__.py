@@ -1,0 +1,40 @@
+"""Remote devices on Ray actors, driven through the ordinary Device/Buffer/Program/Signal API.
+
+A *device host* is a Ray async actor (:data:`HostActor`) holding real aiotinyrt devices on its
+own event loop; :func:`start_host` starts one (placed by the Ray options given: resources, node
+affinity). Importing this package registers the ``RAY`` backend: ``Device["RAY:<host>/CPU:1"]``
+opens the host's ``CPU:1`` as a :class:`RAYDevice`, a ``Compiled`` whose four components are
+remote (:mod:`aiotinyrt.ray.client`).
+
+Order and hazards are resolved on the host (:mod:`aiotinyrt.ray.host`); the command stream's
+encoding and the way both sides reach Ray are in :mod:`aiotinyrt.ray.wire`.
+"""
+
+from __future__ import annotations
+
+from aiotinyrt.ray.client import (
+    _CONNECTIONS,
+    BATCH_LIMIT,
+    RAYDevice,
+    RemoteAllocator,
+    RemoteCompiler,
+    RemoteHandle,
+    RemoteProgram,
+)
+from aiotinyrt.ray.host import HostActor, start_host
+from aiotinyrt.ray.wire import ACTOR_PREFIX, HostLost, RemoteError
+
+__all__ = [
+    "ACTOR_PREFIX",
+    "BATCH_LIMIT",
+    "_CONNECTIONS",
+    "HostActor",
+    "HostLost",
+    "RAYDevice",
+    "RemoteAllocator",
+    "RemoteCompiler",
+    "RemoteError",
+    "RemoteHandle",
+    "RemoteProgram",
+    "start_host",
+]

@@ -1,0 +1,282 @@
+"""The device host: a Ray async actor holding real aiotinyrt devices on its own event loop.
+
+:class:`Host` is the host's whole state and behaviour, usable without Ray (the fast tests drive
+it in one process through a stand-in actor handle); :data:`HostActor` is it as a Ray actor class
+and :func:`start_host` starts one by name.
+
+A client's batches are taken in the order they were sent (each carries a sequence number: an
+async actor may start calls out of order). The commands of a batch are submitted in order to
+real Buffers and Programs, whose access records order them as on a local device; a copy or a
+wait list is awaited in line, so nothing later is submitted before it is done. The reply is
+sent once every command of the batch completed.
+
+Bytes: a copyin's array arrives in the call (Ray put it in the object store; here it is read
+zero-copy) and is copied once, into the buffer. A copyout is one copy: ``put`` of a zero-copy
+view of the buffer, taken after its pending writes and before anything later is submitted; the
+reply carries the ref, not the bytes. A host-to-host ``copy_from`` is the destination host
+asking the source host for such a ref, then one copy in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import ray
+from ray import cloudpickle
+
+from aiotinyrt import native
+from aiotinyrt.allocator import BufferSpec
+from aiotinyrt.buffer import Buffer
+from aiotinyrt.device import Compiled, Device, get_available_devices
+from aiotinyrt.dtype import dtypes
+from aiotinyrt.program import Program
+from aiotinyrt.ray import wire
+from aiotinyrt.ray.wire import ACTOR_PREFIX, Command
+from aiotinyrt.signal import Signal
+
+#: A buffer reference on the wire: ``(buffer id, bytes, offset)``.
+Ref = tuple[int, int, int]
+#: One client's buffers: id -> (device name, buffer).
+Buffers = dict[int, tuple[str, Buffer]]
+#: A command's pending Signal, by command id.
+Pending = dict[int, Signal]
+
+#: A ``put`` of at most this many bytes runs on the host's loop; larger ones on a thread.
+_PUT_ON_LOOP = 1 << 20
+
+
+class Host:
+    """The state of a device host (the body of :data:`HostActor`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._bufs: dict[str, Buffers] = {}  # client -> its buffers
+        self._progs: dict[tuple[str, str], Program] = {}  # (device, content hash) -> program
+        self._sigs: dict[str, Pending] = {}  # client -> command id -> pending signal
+        self._next: dict[str, int] = {}  # client -> the batch whose turn it is
+        self._turn = asyncio.Condition()
+        self._peers: dict[str, Any] = {}  # other hosts' handles, by name
+        self._ops: dict[int, Callable[[str, Buffers, Pending, Command], Awaitable[Any]]] = {
+            wire.ALLOC: self._alloc,
+            wire.FREE: self._free,
+            wire.LOAD: self._load,
+            wire.COPYIN: self._copyin,
+            wire.COPYOUT: self._copyout,
+            wire.TRANSFER: self._transfer,
+            wire.FETCH: self._fetch,
+        }
+
+    async def ping(self) -> str:
+        """The host's name (a round trip)."""
+        return self.name
+
+    async def node(self) -> str:
+        """The id of the Ray node the host runs on."""
+        return str(ray.get_runtime_context().get_node_id())
+
+    async def _device(self, name: str) -> Compiled:
+        await native.prepare()
+        return Device[name]
+
+    async def devices(self) -> list[str]:
+        """The devices that open on the host, with their indices (``CPU``, ``CPU:1``, ...)."""
+        await native.prepare()
+        out = []
+        for backend in await anyio.to_thread.run_sync(_local_devices):
+            count = Device[backend].count() if backend == "CPU" else 1
+            out += [backend] + [f"{backend}:{i}" for i in range(1, count)]
+        return out
+
+    async def compile(self, device: str, src: str) -> bytes:
+        """Compile ``src`` for ``device`` through the host's compile cache."""
+        dev = await self._device(device)
+        return await dev.compiler.compile_cached(src)
+
+    async def statistics(self, device: str) -> dict[str, Any]:
+        """The host device's allocator statistics, as a dict."""
+        dev = await self._device(device)
+        return asdict(dev.allocator.statistics())
+
+    async def buffers(self, client: str) -> int:
+        """How many buffers ``client`` holds here."""
+        return len(self._bufs.get(client, {}))
+
+    async def reset(self, device: str) -> None:
+        """Clear the host device's sticky error (``Compiled.reset``)."""
+        dev = await self._device(device)
+        await dev.reset()
+
+    async def release(self, client: str, device: str | None = None) -> int:
+        """Free every buffer ``client`` holds (on ``device`` only, if given); returns how many."""
+        bufs = self._bufs.get(client, {})
+        gone = [i for i, (dev, _) in bufs.items() if device is None or dev == device]
+        for i in gone:
+            bufs.pop(i)[1].free_nowait()
+        await anyio.sleep(0)
+        return len(gone)
+
+    async def run(self, client: str, seq: int, blob: bytes, buffers: list[Any]) -> list[Any]:
+        """Run one batch of ``client``'s commands (:func:`wire.encode`'s pickle and buffers),
+        after its earlier batches were submitted; the reply holds one entry per command (see
+        :mod:`aiotinyrt.ray.wire`)."""
+        batch = wire.decode(blob, buffers)
+        async with self._turn:
+            await self._turn.wait_for(lambda: self._next.get(client, 1) == seq)
+        results: list[Any] = [None] * len(batch)
+        sigs = self._sigs.setdefault(client, {})
+        bufs = self._bufs.setdefault(client, {})
+        waiting: list[tuple[int, int, Signal]] = []
+        ops = self._ops
+        try:
+            for i, cmd in enumerate(batch):
+                try:
+                    if cmd[0] == wire.LAUNCH:  # (the common command: no coroutine of its own)
+                        _, cid, device, key, refs, gsz, lsz, vals, waits = cmd
+                        sig = self._progs[(device, key)](
+                            *[_buffer(bufs, r) for r in refs],
+                            global_size=gsz,
+                            local_size=lsz,
+                            vals=vals,
+                            wait_for=[sigs[w] for w in waits if w in sigs],
+                        )
+                        sigs[cid] = sig
+                        waiting.append((i, cid, sig))
+                    elif cmd[0] == wire.CALL:  # a host-side callable, on the queue of that name
+                        _, cid, device, queue, blob = cmd
+                        fn, args = cloudpickle.loads(blob)
+                        sig = (await self._device(device)).queues[queue].submit(fn, args)
+                        sigs[cid] = sig
+                        waiting.append((i, cid, sig))
+                    else:
+                        results[i] = await ops[cmd[0]](client, bufs, sigs, cmd)
+                except Exception as exc:
+                    results[i] = wire.failure(self.name, exc)
+        finally:
+            self._next[client] = seq + 1
+            async with self._turn:
+                self._turn.notify_all()
+        for i, cid, sig in waiting:
+            try:  # (most are done by the time the last one is: no loop round trip for them)
+                results[i] = sig.result() if sig.done() else await sig
+            except Exception as exc:
+                results[i] = wire.failure(self.name, exc)
+            sigs.pop(cid, None)
+        return results
+
+    async def read(self, client: str, ref: Ref) -> Any:
+        """The bytes of one of ``client``'s buffers, for another host's ``copy_from``: a small
+        array, or a list holding the ref of one ``put`` straight from the buffer."""
+        return await self._export(_buffer(self._bufs.get(client, {}), ref))
+
+    # ---- commands (each returns its reply entry; None: the client expects none) ----------------
+    async def _alloc(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        _, device, rid, nbytes, zero = cmd
+        await self._device(device)
+        buf = Buffer(device, nbytes, dtypes.uint8, BufferSpec(zero=zero) if zero else None)
+        bufs[rid] = (device, await buf.allocate())
+        return None
+
+    async def _free(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        entry = bufs.pop(cmd[1], None)
+        if entry is not None:
+            entry[1].free_nowait()
+        return None
+
+    async def _load(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        _, device, key, name, lib = cmd
+        if (device, key) not in self._progs:
+            self._progs[(device, key)] = (await self._device(device)).runtime(name, lib)
+        return None
+
+    async def _copyin(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        _, _cid, ref, data, waits = cmd
+        await _waits(sigs, waits)
+        await _buffer(bufs, ref).copyin(data)
+        return 0.0
+
+    async def _copyout(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        _, _cid, ref, waits = cmd
+        await _waits(sigs, waits)
+        return (0.0, None, await self._export(_buffer(bufs, ref)), None)
+
+    async def _transfer(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        _, _cid, dst, src, waits = cmd
+        await _waits(sigs, waits)
+        await _buffer(bufs, dst).copy_from(_buffer(bufs, src))
+        return 0.0
+
+    async def _fetch(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        _, _cid, dst, src_host, src_client, src, waits = cmd
+        await _waits(sigs, waits)
+        store = wire.STORE
+        peer = self._peers.get(src_host)
+        if peer is None:
+            peer = self._peers[src_host] = store.actor(src_host)
+        try:
+            payload = await store.wait(peer.read.remote(src_client, src))
+        except Exception:
+            self._peers.pop(src_host, None)  # (a host of that name may be started again)
+            raise
+        data = await store.wait(payload[0]) if isinstance(payload, list) else payload
+        await _buffer(bufs, dst).copyin(data)
+        return 0.0
+
+    async def _export(self, buf: Buffer) -> Any:
+        """``buf``'s bytes after its pending writes: a copy when small, else ``[ref]`` of one
+        ``put`` from a zero-copy view. Awaited in line, so nothing later writes it meanwhile."""
+        view = np.frombuffer(await buf.as_memoryview(), np.uint8)
+        if view.nbytes <= wire.INLINE_BYTES:
+            return view.copy()
+        if view.nbytes <= _PUT_ON_LOOP:
+            return [wire.STORE.put(view)]
+        return [await anyio.to_thread.run_sync(wire.STORE.put, view)]
+
+
+def _buffer(bufs: Buffers, ref: Ref) -> Buffer:
+    rid, nbytes, offset = ref
+    base = bufs[rid][1]
+    if offset == 0 and nbytes == base.nbytes:
+        return base
+    return base.view(nbytes, dtypes.uint8, offset)
+
+
+async def _waits(sigs: Pending, waits: Sequence[int]) -> None:
+    for w in waits:
+        sig = sigs.get(w)
+        if sig is not None:
+            await sig
+
+
+def _local_devices() -> list[str]:
+    """``get_available_devices()`` of this process, without RAY devices (a host lists its own)."""
+    wire.listing.active = True
+    try:
+        return [n for n in get_available_devices() if not n.startswith("RAY")]
+    finally:
+        wire.listing.active = False
+
+
+#: The Ray actor class of a device host (an async actor: commands run on its event loop).
+HostActor = ray.remote(Host)
+
+#: Handles of the hosts this process started (a named actor lives while a handle does).
+_STARTED: dict[str, Any] = {}
+
+
+def start_host(name: str, **ray_options: Any) -> Any:
+    """Start a device host called ``name`` and return its actor handle. ``ray_options`` go to
+    ``HostActor.options`` (``num_cpus``, ``resources``, ``scheduling_strategy``, ...) and place
+    it; the actor is named ``aiotinyrt-host:<name>`` so clients find it by name. The host lives
+    as long as the process that started it (this module keeps the handle), or until
+    ``ray.kill``; pass ``lifetime="detached"`` for one that outlives it."""
+    if not isinstance(name, str) or not name or "/" in name or ":" in name:
+        raise ValueError(f"host names are non-empty and hold no '/' or ':', got {name!r}")
+    options = {"num_cpus": 0, **ray_options, "name": ACTOR_PREFIX + name}
+    handle = _STARTED[name] = HostActor.options(**options).remote(name)
+    return handle

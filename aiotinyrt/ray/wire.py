@@ -1,0 +1,126 @@
+"""What a client and a device host share: the command stream's encoding, the errors, and the
+:class:`Store` through which both reach Ray (actors by name, the object store).
+
+A command is a tuple whose first item is one of the operation codes below; a batch is a list of
+them, sent in one actor call, and the host's reply holds one entry per command: a float (the
+command ran, in that many device seconds) or a tuple ``(seconds, error message or None,
+payload, cause)`` (``cause``: the exception the command failed with, where it pickles). Bulk
+bytes never ride inside a reply: a large copyout's payload is a list holding one object ref,
+which the host ``put`` straight from its buffer and the client reads zero-copy.
+
+The store is a module attribute (:data:`STORE`, looked up at each use) so that the client and
+the host can be driven in one process without Ray (tests put a stand-in there).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+import ray
+
+#: Ray actor names of device hosts: ``aiotinyrt-host:<name>``.
+ACTOR_PREFIX = "aiotinyrt-host:"
+
+#: One command on the wire: a tuple whose first item is its operation code.
+Command = tuple[Any, ...]
+
+# operation codes (the first item of a command)
+ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL = range(9)
+
+#: Copies up to this size travel inside the call or reply (Ray sends small values with the
+#: call itself); larger ones go through the object store as one object each.
+INLINE_BYTES = 64 * 1024
+
+
+def encode(batch: list[Command]) -> tuple[bytes, list[Any]]:
+    """A batch as one pickle and the buffers of its arrays, out of band (Ray then serializes
+    one bytes object and puts each array zero-copy, instead of serializing each command)."""
+    buffers: list[pickle.PickleBuffer] = []
+    blob = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    return blob, [np.frombuffer(b.raw(), np.uint8) for b in buffers]
+
+
+def decode(blob: bytes, buffers: list[Any]) -> list[Command]:
+    """The batch of :func:`encode` (its arrays read the buffers given: zero-copy)."""
+    batch: list[Command] = pickle.loads(blob, buffers=buffers)
+    return batch
+
+
+class HostLost(RuntimeError):
+    """The device host's actor is gone (killed, its node lost)."""
+
+
+class RemoteError(RuntimeError):
+    """A command failed on the host; the message is the host's error."""
+
+
+class Store(Protocol):
+    """How the client and the host reach Ray: actors by name, object refs, the object store."""
+
+    def actor(self, host: str) -> Any:
+        """The handle of device host ``host``; ``ValueError`` when none runs."""
+        ...
+
+    def hosts(self) -> list[str]:
+        """Names of the device hosts of the connected cluster (none when not connected)."""
+        ...
+
+    def put(self, value: Any) -> Any:
+        """Put ``value`` into the object store; its ref."""
+        ...
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        """The value of ``ref`` (blocks the calling thread)."""
+        ...
+
+    async def wait(self, ref: Any) -> Any:
+        """The value of ``ref``, awaited on a host's (asyncio) event loop."""
+        ...
+
+
+class RayStore:
+    """The :class:`Store` on Ray itself."""
+
+    def actor(self, host: str) -> Any:
+        """``ray.get_actor`` of the host's actor name."""
+        return ray.get_actor(ACTOR_PREFIX + host)
+
+    def hosts(self) -> list[str]:
+        """The host names among the cluster's named actors."""
+        if not ray.is_initialized():
+            return []
+        names = ray.util.list_named_actors()
+        return sorted(n[len(ACTOR_PREFIX) :] for n in names if n.startswith(ACTOR_PREFIX))
+
+    def put(self, value: Any) -> Any:
+        """``ray.put``: one copy into the object store (numpy arrays are read back zero-copy)."""
+        return ray.put(value)
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        """``ray.get``."""
+        return ray.get(ref, timeout=timeout)
+
+    async def wait(self, ref: Any) -> Any:
+        """``await ref`` (Ray refs are awaitable on asyncio)."""
+        return await ref
+
+
+def failure(host: str, exc: BaseException) -> tuple[float, str, None, BaseException | None]:
+    """The reply entry of a command that failed on ``host`` with ``exc``: the message names the
+    host; the cause (a host ``DeviceError``'s own cause) travels too where it pickles."""
+    cause = getattr(exc, "cause", None) or exc
+    try:
+        pickle.dumps(cause)
+    except Exception:
+        cause = None
+    return (0.0, f"{host}: {exc}", None, cause)
+
+
+#: The store in use (a stand-in may replace it; read at each use).
+STORE: Store = RayStore()
+
+#: ``listing.active``: this thread is listing a host's own devices (so the RAY backend lists none).
+listing = threading.local()

@@ -1,0 +1,155 @@
+"""A stand-in for Ray, so aiotinyrt.ray's client and host run in one process without a cluster.
+
+:class:`StandIn` plays :class:`aiotinyrt.ray.wire.Store`: each host is a real
+:class:`aiotinyrt.ray.host.Host` on one asyncio loop in a thread of its own (as an async actor's
+loop is), an actor call pickles its arguments and its result (as Ray serializes them) and
+returns a ``concurrent.futures.Future``, and ``put`` keeps a copy under a ref. ``kill`` fails
+a host's pending and later calls, as a dead actor's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import itertools
+import pickle
+import threading
+from typing import Any
+
+from aiotinyrt.ray.host import Host
+
+
+class ActorDied(RuntimeError):
+    """What a call of a killed stand-in host raises."""
+
+
+class Ref:
+    """An object of the stand-in store, named by a number (picklable, as a Ray ref is)."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+def _copy(value: Any) -> Any:
+    return pickle.loads(pickle.dumps(value, protocol=5))
+
+
+class Handle:
+    """A stand-in actor handle: ``handle.method.remote(*args)`` returns a future."""
+
+    def __init__(self, stand_in: StandIn, host: Host) -> None:
+        self._stand_in = stand_in
+        self._host = host
+
+    def __getattr__(self, method: str) -> Any:
+        stand_in, host = self._stand_in, self._host
+
+        class Method:
+            @staticmethod
+            def remote(*args: Any) -> concurrent.futures.Future[Any]:
+                return stand_in.call(host, method, _copy(args))
+
+        return Method
+
+
+class StandIn:
+    """The stand-in cluster and store (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="stand-in host", daemon=True)
+        self._thread.start()
+        self._hosts: dict[str, Host] = {}
+        self._dead: set[int] = set()
+        self._pending: dict[int, set[concurrent.futures.Future[Any]]] = {}
+        self._objects: dict[int, Any] = {}
+        self._keys = itertools.count()
+        self._held: dict[int, asyncio.Event] = {}
+        self.calls: dict[str, int] = {}  #: actor calls per method name
+        self.puts = 0  #: objects put
+
+    def start(self, name: str) -> Handle:
+        """Start (or replace) the host ``name``."""
+        host = self._hosts[name] = Host(name)
+        return Handle(self, host)
+
+    def hold(self, name: str) -> None:
+        """Calls of host ``name`` wait (pending, not started) until it is killed."""
+        self._held[id(self._hosts[name])] = asyncio.Event()
+
+    def kill(self, name: str) -> None:
+        """The host ``name`` dies: its pending calls fail, and so does every later one."""
+        host = self._hosts.pop(name)
+        self._dead.add(id(host))
+        for fut in self._pending.pop(id(host), set()):
+            if not fut.done():
+                fut.set_exception(ActorDied(f"the actor {name} died"))
+
+    def call(self, host: Host, method: str, args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
+        """Run ``host.method(*args)`` on the hosts' loop; its future (the result copied)."""
+        self.calls[method] = self.calls.get(method, 0) + 1
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if id(host) in self._dead:
+            fut.set_exception(ActorDied("the actor died"))
+            return fut
+        pending = self._pending.setdefault(id(host), set())
+        pending.add(fut)
+
+        async def run() -> None:
+            held = self._held.get(id(host))
+            if held is not None:
+                await held.wait()  # (never set: a held host's calls end when it is killed)
+                return
+            try:
+                result = _copy(await getattr(host, method)(*args))
+            except Exception as exc:
+                error: Exception | None = exc
+            else:
+                error = None
+            pending.discard(fut)
+            if fut.done():
+                return  # (killed meanwhile)
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+        # (a fresh context: not the caller's, whose event loop library sniffio would report)
+        self.loop.call_soon_threadsafe(self.loop.create_task, run(), context=contextvars.Context())
+        return fut
+
+    def close(self) -> None:
+        """Stop the hosts' loop."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+    # ---- the Store protocol -------------------------------------------------------------------
+    def actor(self, host: str) -> Handle:
+        """The handle of a running host; ValueError if none runs (as ``ray.get_actor``)."""
+        if host not in self._hosts:
+            raise ValueError(f"no actor named {host!r}")
+        return Handle(self, self._hosts[host])
+
+    def hosts(self) -> list[str]:
+        """The running hosts' names."""
+        return sorted(self._hosts)
+
+    def put(self, value: Any) -> Ref:
+        """Keep a copy of ``value``."""
+        self.puts += 1
+        key = next(self._keys)
+        self._objects[key] = _copy(value)
+        return Ref(key)
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        """A put object's value, or a call's result (blocks)."""
+        if isinstance(ref, Ref):
+            return self._objects[ref.key]
+        return ref.result(timeout)
+
+    async def wait(self, ref: Any) -> Any:
+        """As :meth:`get`, awaited on the hosts' loop."""
+        if isinstance(ref, Ref):
+            return self._objects[ref.key]
+        return await asyncio.wrap_future(ref)

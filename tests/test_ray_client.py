@@ -1,0 +1,201 @@
+"""aiotinyrt.ray's client and host logic without a Ray cluster: the host class runs in this
+process on a loop of its own, reached through a stand-in actor handle and object store
+(tests/ray_stand_in.py), so these run in the fast loop. tests/test_ray.py runs the same
+paths on a real local cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")  # (imported, never started)
+
+from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
+from aiotinyrt.ray import client, wire
+from aiotinyrt.ray.host import Host
+from tests.ray_stand_in import StandIn
+
+pytestmark = pytest.mark.anyio
+
+N = 4096
+ADD_SRC = "void add1(int *a) { for (int i = 0; i < 4096; i++) a[i] += 1; }"
+
+
+@pytest.fixture(scope="module")
+def stand_in() -> Iterator[StandIn]:
+    """The stand-in store in aiotinyrt.ray.wire for this module, hosts ``s1`` and ``s2``."""
+    fake = StandIn()
+    old = wire.STORE
+    wire.STORE = fake
+    fake.start("s1")
+    fake.start("s2")
+    yield fake
+    for dev in Device.opened():
+        if dev.name.startswith("RAY:"):
+            dev._shutdown(drop_queued=True, join_timeout=1.0)
+    client._CONNECTIONS.clear()
+    wire.STORE = old
+    fake.close()
+
+
+def _backend_id(anyio_backend: Any) -> str:
+    name, options = anyio_backend
+    return "uvloop" if options.get("use_uvloop") else name
+
+
+async def _filled(device: str, values: np.ndarray[Any, Any]) -> Buffer:
+    buf = await Buffer(device, values.size, dtypes.from_name(str(values.dtype))).allocate()
+    await buf.copyin(values)
+    return buf
+
+
+async def test_a_loop_turn_of_launches_is_one_call_and_runs_in_order(stand_in: StandIn) -> None:
+    dev = Device["RAY:s1/CPU:6"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.zeros(N, np.int32))
+    await prog(a)
+    calls = stand_in.calls.get("run", 0)
+    sigs = [prog(a) for _ in range(50)]
+    assert not any(s.done() for s in sigs)
+    await sigs[-1]
+    assert all(s.done() for s in sigs)
+    assert stand_in.calls["run"] == calls + 1
+    assert ((await a.numpy()) == 51).all()
+    await a.free()
+
+
+async def test_a_long_turn_sends_a_call_every_batch_limit_commands(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client, "BATCH_LIMIT", 8)
+    dev = Device["RAY:s1/CPU:6"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.zeros(N, np.int32))
+    calls = stand_in.calls.get("run", 0)
+    sigs = [prog(a) for _ in range(20)]
+    assert stand_in.calls["run"] == calls + 2  # two full batches sent while submitting
+    await sigs[-1]
+    assert stand_in.calls["run"] == calls + 3  # the rest at the turn's end
+    assert ((await a.numpy()) == 20).all()
+    await a.free()
+
+
+@pytest.mark.parametrize("nbytes", [256, 1 << 20])
+async def test_copies_are_bit_exact_and_large_ones_go_through_the_store(
+    stand_in: StandIn, nbytes: int
+) -> None:
+    dev = Device["RAY:s1/CPU:6"]
+    x = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    buf = await _filled(dev.name, x)
+    puts = stand_in.puts
+    out = np.empty(nbytes, np.uint8)
+    await buf.copyout(out)
+    assert out.tobytes() == x.tobytes()
+    assert stand_in.puts == puts + (nbytes > wire.INLINE_BYTES)  # one put on the host, no bytes in the reply
+    view = buf.view(16, dtypes.uint8, offset=nbytes - 16)
+    await view.copyin(np.arange(16, dtype=np.uint8))
+    await buf.copyout(out)
+    assert out[-16:].tolist() == list(range(16)) and out[:-16].tobytes() == x[:-16].tobytes()
+    await buf.free()
+
+
+async def test_copy_from_another_host_moves_the_bytes_host_to_host(stand_in: StandIn) -> None:
+    x = np.random.default_rng(3).integers(-(2**31), 2**31, 1 << 16, dtype=np.int32)
+    src = await _filled("RAY:s1/CPU:6", x)
+    for name in ("RAY:s1/CPU:7", "RAY:s2/CPU:6"):  # same host, then another host
+        dst = await Buffer(name, x.size, dtypes.int32).allocate()
+        copies = src.device_obj.queues["copy"].timeline.submitted
+        reads = stand_in.calls.get("read", 0)
+        await dst.copy_from(src)
+        assert src.device_obj.queues["copy"].timeline.submitted == copies  # never staged here
+        assert stand_in.calls.get("read", 0) == reads + (name.startswith("RAY:s2"))
+        assert (await dst.numpy()).tobytes() == x.tobytes()
+        await dst.free()
+    await src.free()
+
+
+async def test_a_failing_command_names_the_host_and_is_sticky_until_reset(stand_in: StandIn) -> None:
+    dev = Device["RAY:s1/CPU:7"]
+    assert isinstance(dev, client.RAYDevice)
+    prog = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.zeros(N, np.int32))
+    unknown = client.RemoteProgram(dev, "add1", prog.lib)
+    unknown.key = "nothing"
+    dev.conn.loaded.add((dev.remote_name, "nothing"))  # a launch of a program the host never got
+    with pytest.raises(DeviceError, match=r"RAY:s1/CPU:7: .*nothing"):
+        await unknown(a)
+    with pytest.raises(DeviceError, match="nothing"):  # sticky
+        await a.numpy()
+    await dev.reset()
+    await prog(a)
+    assert ((await a.numpy()) == 1).all()
+    await a.free()
+
+
+async def test_a_killed_host_fails_pending_work_until_reset_reconnects(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    name = f"k-{_backend_id(anyio_backend)}"
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.zeros(N, np.int32))
+    stand_in.hold(name)
+    sig = prog(a)
+    await anyio.sleep(0)  # (sent: the call is pending on the host)
+    stand_in.kill(name)
+    with pytest.raises(DeviceError, match=f"host {name}: device lost"):
+        await sig
+    with pytest.raises(DeviceError, match="device lost"):
+        await prog(a)
+    stand_in.start(name)
+    await dev.reset()
+    b = await _filled(dev.name, np.full(N, 2, np.int32))
+    await prog(b)
+    assert ((await b.numpy()) == 3).all()
+    await dev.aclose()
+
+
+async def test_close_releases_every_buffer_on_the_host(stand_in: StandIn) -> None:
+    dev = Device["RAY:s2/CPU:7"]
+    assert isinstance(dev, client.RAYDevice)
+    before = await dev.statistics()
+    bufs = [await _filled(dev.name, np.full(N, i, np.int32)) for i in range(3)]
+    assert (await dev.statistics())["bytes_in_use"] == before["bytes_in_use"] + 3 * N * 4
+    await bufs[0].free()
+    await dev.aclose()
+    again = Device["RAY:s2/CPU:7"]
+    assert isinstance(again, client.RAYDevice)
+    assert (await again.statistics())["bytes_in_use"] == before["bytes_in_use"]
+
+
+async def test_available_devices_lists_every_hosts_devices(stand_in: StandIn) -> None:
+    names = await anyio.to_thread.run_sync(get_available_devices)
+    assert {"RAY:s1/CPU", "RAY:s2/CPU"} <= set(names)
+    assert not any(n.startswith("RAY:") and n.count("RAY") > 1 for n in names)  # a host lists its own
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (a host's loop is always asyncio's)
+async def test_the_host_takes_a_clients_batches_in_sequence_order() -> None:
+    # drives the host class directly: batch 2 arrives first and waits for batch 1
+    host = Host("direct")
+    order: list[int] = []
+
+    async def send(seq: int, batch: list[Any]) -> None:
+        await host.run("c", seq, *wire.encode(batch))
+        order.append(seq)
+
+    alloc: list[Any] = [(wire.ALLOC, "CPU:6", 1, 64, False)]
+    copy: list[Any] = [(wire.COPYIN, 2, (1, 64, 0), np.ones(64, np.uint8), [])]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send, 2, copy)
+        await anyio.wait_all_tasks_blocked()
+        assert order == []
+        tg.start_soon(send, 1, alloc)
+    assert order == [1, 2]
+    assert await host.buffers("c") == 1
+    assert await host.release("c") == 1
