@@ -339,11 +339,9 @@ def start_ray_hosts(address: str | None = None) -> None:
 
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    running = ray.util.list_named_actors()
+    running = airay.running_hosts()
     started = [
-        airay.start_host(host, scheduling_strategy="SPREAD")
-        for host in RAY_HOSTS
-        if airay.ACTOR_PREFIX + host not in running
+        airay.start_host(host, scheduling_strategy="SPREAD") for host in RAY_HOSTS if host not in running
     ]
     ray.get([actor.ping.remote() for actor in started], timeout=120)
 

@@ -193,7 +193,7 @@ async def test_bad_names(host: str) -> None:
 
 async def test_copy_from_host_to_host(host: str) -> None:
     other = "t2"
-    if ray.util.list_named_actors().count(airay.ACTOR_PREFIX + other) == 0:
+    if other not in airay.running_hosts():
         actor = airay.start_host(other)
         await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
     x = np.random.default_rng(3).integers(-(2**31), 2**31, N, dtype=np.int32)
@@ -219,12 +219,11 @@ async def test_available_devices_lists_remote_devices(host: str) -> None:
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (one node start; the loops are covered above)
 async def test_copy_from_between_hosts_on_two_nodes_is_bit_exact(ray_cluster: Any) -> None:
-    node = await anyio.to_thread.run_sync(
-        lambda: ray_cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES, resources={"second": 1})
-    )
+    # (on this thread: Ray starts a node only from the main thread)
+    node = ray_cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES, resources={"second": 1})
     hosts = []
     try:
-        await anyio.to_thread.run_sync(ray_cluster.wait_for_nodes)
+        ray_cluster.wait_for_nodes()
         head = airay.start_host("n1", resources={"second": 0}, scheduling_strategy=_on(ray_cluster.head_node))
         far = airay.start_host("n2", resources={"second": 0.01})
         hosts = [head, far]
@@ -248,7 +247,7 @@ async def test_copy_from_between_hosts_on_two_nodes_is_bit_exact(ray_cluster: An
     finally:
         for actor in hosts:
             ray.kill(actor)
-        await anyio.to_thread.run_sync(ray_cluster.remove_node, node)
+        ray_cluster.remove_node(node)
 
 
 def _on(node: Any) -> Any:

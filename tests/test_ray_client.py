@@ -17,6 +17,7 @@ pytest.importorskip("ray")  # (imported, never started)
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
 from aiotinyrt.ray import client, wire
 from aiotinyrt.ray.host import Host
+from tests.helpers import fail_command
 from tests.ray_stand_in import StandIn
 
 pytestmark = pytest.mark.anyio
@@ -199,3 +200,49 @@ async def test_the_host_takes_a_clients_batches_in_sequence_order() -> None:
     assert order == [1, 2]
     assert await host.buffers("c") == 1
     assert await host.release("c") == 1
+
+
+async def test_large_copies_move_in_pieces_a_call_each_bit_exact(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 256 * 1024)
+    nbytes = 1024 * 1024 + 12_288  # (five pieces, the last a short one)
+    x = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
+    calls, puts = stand_in.calls.get("run", 0), stand_in.puts
+    buf = await Buffer("RAY:s1/CPU:6", nbytes, dtypes.uint8).allocate()
+    await buf.copyin(x)
+    assert stand_in.calls["run"] - calls == 1 + 5  # the alloc's, then a call per piece
+    assert stand_in.puts - puts == 5  # each piece put by this process
+    out = np.empty(nbytes, np.uint8)
+    calls = stand_in.calls["run"]
+    await buf.copyout(out)
+    assert stand_in.calls["run"] - calls == 5
+    assert out.tobytes() == x.tobytes()
+    far = await Buffer("RAY:s2/CPU:6", nbytes, dtypes.uint8).allocate()
+    reads = stand_in.calls.get("read", 0)
+    await far.copy_from(buf)
+    assert stand_in.calls["read"] - reads == 5
+    assert (await far.numpy()).tobytes() == x.tobytes()
+    await buf.free()
+    await far.free()
+
+
+async def test_a_callable_failing_on_the_host_keeps_its_cause_and_fails_what_follows_with_it(
+    stand_in: StandIn,
+) -> None:
+    dev = Device["RAY:s2/CPU:6"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await _filled(dev.name, np.zeros(N, np.int32))
+    failed = fail_command(dev)  # a Python callable: pickled, run on the host's queue
+    behind = [prog(a) for _ in range(3)]  # in the same call, after it
+    with pytest.raises(DeviceError) as info:
+        await failed
+    assert isinstance(info.value.cause, ValueError)
+    for sig in behind:
+        with pytest.raises(DeviceError) as later:
+            await sig
+        assert later.value is info.value  # the device's sticky error, as on a local device
+    await dev.reset()
+    await prog(a)
+    assert ((await a.numpy()) == 1).all()
+    await a.free()

@@ -12,6 +12,7 @@ encoding and the way both sides reach Ray are in :mod:`aiotinyrt.ray.wire`.
 
 from __future__ import annotations
 
+from aiotinyrt.ray import wire
 from aiotinyrt.ray.client import (
     _CONNECTIONS,
     BATCH_LIMIT,
@@ -22,11 +23,19 @@ from aiotinyrt.ray.client import (
     RemoteProgram,
 )
 from aiotinyrt.ray.host import HostActor, start_host
-from aiotinyrt.ray.wire import ACTOR_PREFIX, HostLost, RemoteError
+from aiotinyrt.ray.wire import ACTOR_PREFIX, NAMESPACE, HostLost, RemoteError
+
+
+def running_hosts() -> list[str]:
+    """Names of the device hosts running on the connected Ray cluster (none when Ray is not
+    initialized). Blocks for one call to Ray's control store."""
+    return wire.STORE.hosts()
+
 
 __all__ = [
     "ACTOR_PREFIX",
     "BATCH_LIMIT",
+    "NAMESPACE",
     "_CONNECTIONS",
     "HostActor",
     "HostLost",
@@ -36,5 +45,6 @@ __all__ = [
     "RemoteError",
     "RemoteHandle",
     "RemoteProgram",
+    "running_hosts",
     "start_host",
 ]

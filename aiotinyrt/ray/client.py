@@ -19,6 +19,7 @@ or close. Closing a device releases every buffer it holds on the host.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import queue as _queue
@@ -51,6 +52,8 @@ from aiotinyrt.signal import DeviceError
 
 #: What a command's reply is handed to: ``(reply entry, error)``.
 Reply = Callable[[Any, BaseException | None], None]
+#: A command sent in an actor call of its own: the function making it, and its reply.
+Part = tuple[Callable[[], Command], Reply]
 
 #: Commands per actor call at most: a loop turn submitting more sends a call every this many.
 BATCH_LIMIT = 1024
@@ -69,6 +72,8 @@ class _Connection:
         self._scheduled = False
         self._waiter: threading.Thread | None = None
         self._inflight: _queue.SimpleQueue[tuple[Any, list[Reply | None]] | None] = _queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._outbox: _queue.SimpleQueue[list[tuple[int, Part]]] = _queue.SimpleQueue()
         self.calls = 0  #: actor calls made (tests look)
         self.connect()
 
@@ -136,11 +141,56 @@ class _Connection:
         except Exception as exc:
             _fail(replies, HostLost(f"host {self.host}: device lost ({exc!r})"))
             return
+        self._sent(ref, replies)
+
+    def _sent(self, ref: Any, replies: list[Reply | None]) -> None:
         self.calls += 1
         if self._waiter is None:
             self._waiter = threading.Thread(target=self._wait_loop, name=f"ray-{self.host}", daemon=True)
             self._waiter.start()
         self._inflight.put((ref, replies))
+
+    def send_apart(self, parts: list[Part], off_loop: bool) -> None:
+        """Send what is queued, then each part (a function making its command, and its reply)
+        in an actor call of its own, in order; with ``off_loop`` on the connection's sender
+        thread (the parts put bytes into the object store), else at once on this thread."""
+        self.flush()
+        with self._lock:
+            first = self._seq + 1
+            self._seq += len(parts)
+        jobs = [(first + k, part) for k, part in enumerate(parts)]
+        if not off_loop:
+            for seq, part in jobs:
+                self._send_part(seq, part)
+            return
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name=f"ray-{self.host}-put", daemon=True)
+            self._sender.start()
+        self._outbox.put(jobs)
+
+    def _send_loop(self) -> None:
+        while True:
+            for seq, part in self._outbox.get():
+                self._send_part(seq, part)
+
+    def _send_part(self, seq: int, part: Part) -> None:
+        make, reply = part
+        lost = self.lost
+        if lost is not None:
+            reply(None, HostLost(lost))
+            return
+        try:
+            batch = [make()]
+        except Exception as exc:  # (the put failed: this part fails; its turn still goes)
+            batch = []
+            reply(None, exc)
+        try:
+            ref: Any = self.actor.run.remote(self.client, seq, *wire.encode(batch, refs=True))
+        except Exception as exc:
+            if batch:
+                reply(None, HostLost(f"host {self.host}: device lost ({exc!r})"))
+            return
+        self._sent(ref, [reply] if batch else [])
 
     def _wait_loop(self) -> None:
         while True:
@@ -161,6 +211,42 @@ class _Connection:
     def call(self, method: str, *args: Any) -> Any:
         """A ref of one direct actor call (not part of the command stream)."""
         return getattr(self.actor, method).remote(*args)
+
+
+class _Pieces:
+    """One command sent in pieces: completes once every piece replied (the first error wins)."""
+
+    def __init__(self, count: int, done: Done) -> None:
+        self._lock = threading.Lock()
+        self._left = count
+        self._seconds = 0.0
+        self._error: BaseException | None = None
+        self._done = done
+
+    def piece_done(self, seconds: float, error: BaseException | None) -> None:
+        """A piece's ``done`` (any thread)."""
+        with self._lock:
+            self._left -= 1
+            self._seconds += seconds
+            self._error = self._error or error
+            last = self._left == 0
+        if last:
+            self._done(self._seconds, self._error)
+
+
+def _pieces(nbytes: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of the pieces a copy of ``nbytes`` moves in (see ``CHUNK_BYTES``)."""
+    step = wire.CHUNK_BYTES
+    return [(k, min(step, nbytes - k)) for k in range(0, nbytes, step)]
+
+
+def _put_copyin(cid: int, ref: tuple[int, int, int], data: np.ndarray[Any, Any], waits: list[Any]) -> Command:
+    """A copyin whose bytes this call puts into the object store (the host reads them there)."""
+    return (wire.COPYIN, cid, ref, [wire.STORE.put(data)], waits)
+
+
+def _as_is(cmd: Command) -> Command:
+    return cmd
 
 
 def _fail(replies: Sequence[Reply | None], error: BaseException) -> None:
@@ -280,8 +366,9 @@ class _QueueDriver:
         dev = self.device
         conn = dev.conn
         cid = next(conn._ids)
-        owner = getattr(fn, "__self__", None)
-        if owner.__class__ is RemoteProgram and fn.__func__ is RemoteProgram._remote_launch:  # type: ignore[attr-defined]
+        func = getattr(fn, "__func__", None)
+        if func is RemoteProgram._remote_launch:
+            owner: RemoteProgram = fn.__self__  # type: ignore[attr-defined]
             handles, gsz, lsz, vals = args
             remote = dev.remote_name
             if (remote, owner.key) not in conn.loaded:
@@ -291,14 +378,47 @@ class _QueueDriver:
             cmd: Command = (wire.LAUNCH, cid, remote, owner.key, refs, gsz, lsz, vals, list(waits))
             conn.submit(cmd, _reply(dev, done))
             return cid
-        func = getattr(fn, "__func__", None)
         if func is RemoteAllocator._copyin:
             dest, src = args
             data = np.frombuffer(src, np.uint8)
-            conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
+            if data.nbytes <= wire.INLINE_BYTES:
+                conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
+                return cid
+            # put into the object store off the loop, piece by piece: the host copies one piece
+            # in while the next is put
+            pieces = _pieces(data.nbytes)
+            whole = _Pieces(len(pieces), done)
+            parts: list[Part] = [
+                (
+                    functools.partial(
+                        _put_copyin,
+                        cid,
+                        (dest.id, size, dest.offset + k),
+                        data[k : k + size],
+                        list(waits) if k == 0 else [],
+                    ),
+                    _reply(dev, whole.piece_done),
+                )
+                for k, size in pieces
+            ]
+            conn.send_apart(parts, off_loop=True)
         elif func is RemoteAllocator._copyout:
             out, src = args
-            conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
+            if src.nbytes <= wire.CHUNK_BYTES:
+                conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
+                return cid
+            # piece by piece, a call each: this process copies one piece out while the host
+            # puts the next
+            pieces = _pieces(src.nbytes)
+            whole = _Pieces(len(pieces), done)
+            into = np.frombuffer(out, np.uint8)
+            parts = []
+            for k, size in pieces:
+                piece = (wire.COPYOUT, cid, (src.id, size, src.offset + k), list(waits) if k == 0 else [])
+                parts.append(
+                    (functools.partial(_as_is, piece), _reply(dev, whole.piece_done, into[k : k + size]))
+                )
+            conn.send_apart(parts, off_loop=False)
         elif func is RemoteAllocator._transfer:
             dest, src, _nbytes, src_dev = args
             if src_dev.conn is conn:
@@ -312,11 +432,11 @@ class _QueueDriver:
                 blob = cloudpickle.dumps((fn, args))  # type: ignore[no-untyped-call]
             except Exception as exc:
                 raise TypeError(f"{dev.name} runs only callables that pickle; {fn!r}: {exc}") from exc
-            conn.submit((wire.CALL, cid, dev.remote_name, self.queue, blob), _reply(dev, done))
+            conn.submit((wire.CALL, cid, dev.remote_name, self.queue, blob, list(waits)), _reply(dev, done))
         return cid
 
 
-def _reply(device: RAYDevice, done: Done, out: memoryview | None = None) -> Reply:
+def _reply(device: RAYDevice, done: Done, out: Any = None) -> Reply:
     """The reply handler of one command: its entry (see :mod:`aiotinyrt.ray.wire`) to ``done``;
     a copyout's bytes (small ones in the entry, else an object ref) land in ``out``."""
 

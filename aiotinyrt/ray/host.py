@@ -121,11 +121,11 @@ class Host:
         await anyio.sleep(0)
         return len(gone)
 
-    async def run(self, client: str, seq: int, blob: bytes, buffers: list[Any]) -> list[Any]:
-        """Run one batch of ``client``'s commands (:func:`wire.encode`'s pickle and buffers),
-        after its earlier batches were submitted; the reply holds one entry per command (see
-        :mod:`aiotinyrt.ray.wire`)."""
-        batch = wire.decode(blob, buffers)
+    async def run(self, client: str, seq: int, blob: bytes, buffers: list[Any], refs: list[Any]) -> list[Any]:
+        """Run one batch of ``client``'s commands (:func:`wire.encode`'s pickle, buffers and
+        refs), after its earlier batches were submitted; the reply holds one entry per command
+        (see :mod:`aiotinyrt.ray.wire`)."""
+        batch = wire.decode(blob, buffers, refs)
         async with self._turn:
             await self._turn.wait_for(lambda: self._next.get(client, 1) == seq)
         results: list[Any] = [None] * len(batch)
@@ -148,9 +148,10 @@ class Host:
                         sigs[cid] = sig
                         waiting.append((i, cid, sig))
                     elif cmd[0] == wire.CALL:  # a host-side callable, on the queue of that name
-                        _, cid, device, queue, blob = cmd
+                        _, cid, device, queue, blob, waits = cmd
                         fn, args = cloudpickle.loads(blob)
-                        sig = (await self._device(device)).queues[queue].submit(fn, args)
+                        deps = tuple(sigs[w] for w in waits if w in sigs)
+                        sig = (await self._device(device)).queues[queue].submit(fn, args, deps)
                         sigs[cid] = sig
                         waiting.append((i, cid, sig))
                     else:
@@ -197,6 +198,8 @@ class Host:
     async def _copyin(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         _, _cid, ref, data, waits = cmd
         await _waits(sigs, waits)
+        if isinstance(data, list):  # (the ref of the client's put: read zero-copy)
+            data = await wire.STORE.wait(data[0])
         await _buffer(bufs, ref).copyin(data)
         return 0.0
 
@@ -218,13 +221,18 @@ class Host:
         peer = self._peers.get(src_host)
         if peer is None:
             peer = self._peers[src_host] = store.actor(src_host)
+        # every piece asked for at once: the source host puts the next while this one copies in
+        rid, nbytes, offset = src
+        pieces = [(k, min(wire.CHUNK_BYTES, nbytes - k)) for k in range(0, nbytes, wire.CHUNK_BYTES)]
         try:
-            payload = await store.wait(peer.read.remote(src_client, src))
+            reads = [peer.read.remote(src_client, (rid, size, offset + k)) for k, size in pieces]
+            for (k, size), read in zip(pieces, reads, strict=True):
+                payload = await store.wait(read)
+                data = await store.wait(payload[0]) if isinstance(payload, list) else payload
+                await _buffer(bufs, (dst[0], size, dst[2] + k)).copyin(data)
         except Exception:
             self._peers.pop(src_host, None)  # (a host of that name may be started again)
             raise
-        data = await store.wait(payload[0]) if isinstance(payload, list) else payload
-        await _buffer(bufs, dst).copyin(data)
         return 0.0
 
     async def _export(self, buf: Buffer) -> Any:
@@ -272,11 +280,12 @@ _STARTED: dict[str, Any] = {}
 def start_host(name: str, **ray_options: Any) -> Any:
     """Start a device host called ``name`` and return its actor handle. ``ray_options`` go to
     ``HostActor.options`` (``num_cpus``, ``resources``, ``scheduling_strategy``, ...) and place
-    it; the actor is named ``aiotinyrt-host:<name>`` so clients find it by name. The host lives
-    as long as the process that started it (this module keeps the handle), or until
-    ``ray.kill``; pass ``lifetime="detached"`` for one that outlives it."""
+    it; the actor is named ``aiotinyrt-host:<name>`` in the namespace ``aiotinyrt``, so clients
+    of any job of the cluster find it by name. The host lives as long as the process that
+    started it (this module keeps the handle), or until ``ray.kill``; pass
+    ``lifetime="detached"`` for one that outlives it."""
     if not isinstance(name, str) or not name or "/" in name or ":" in name:
         raise ValueError(f"host names are non-empty and hold no '/' or ':', got {name!r}")
-    options = {"num_cpus": 0, **ray_options, "name": ACTOR_PREFIX + name}
+    options = {"num_cpus": 0, **ray_options, "name": ACTOR_PREFIX + name, "namespace": wire.NAMESPACE}
     handle = _STARTED[name] = HostActor.options(**options).remote(name)
     return handle

@@ -14,6 +14,7 @@ the host can be driven in one process without Ray (tests put a stand-in there).
 
 from __future__ import annotations
 
+import io
 import pickle
 import threading
 from typing import Any, Protocol
@@ -23,6 +24,9 @@ import ray
 
 #: Ray actor names of device hosts: ``aiotinyrt-host:<name>``.
 ACTOR_PREFIX = "aiotinyrt-host:"
+#: The Ray namespace of every device host, so that any job of the cluster finds them by name
+#: (Ray's default namespace is one per job).
+NAMESPACE = "aiotinyrt"
 
 #: One command on the wire: a tuple whose first item is its operation code.
 Command = tuple[Any, ...]
@@ -31,22 +35,63 @@ Command = tuple[Any, ...]
 ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL = range(9)
 
 #: Copies up to this size travel inside the call or reply (Ray sends small values with the
-#: call itself); larger ones go through the object store as one object each.
+#: call itself); larger ones go through the object store, ``put`` by the side that has them.
 INLINE_BYTES = 64 * 1024
 
+#: Copies over this size move in pieces of this size, one actor call (or one read of another
+#: host) each, so that one side's copy of a piece overlaps the other side's copy of the next.
+CHUNK_BYTES = 16 << 20
 
-def encode(batch: list[Command]) -> tuple[bytes, list[Any]]:
-    """A batch as one pickle and the buffers of its arrays, out of band (Ray then serializes
-    one bytes object and puts each array zero-copy, instead of serializing each command)."""
+
+def encode(batch: list[Command], refs: bool = False) -> tuple[bytes, list[Any], list[Any]]:
+    """A batch as one pickle, the buffers of its arrays (out of band), and (``refs``: the batch
+    may hold object refs) its object refs: Ray then serializes one bytes object, puts each array
+    zero-copy, and passes the refs as refs (their owner known), instead of serializing each
+    command. (Looking for refs costs a call per pickled object: only small batches do.)"""
     buffers: list[pickle.PickleBuffer] = []
-    blob = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
-    return blob, [np.frombuffer(b.raw(), np.uint8) for b in buffers]
+    found: list[Any] = []
+    out = io.BytesIO()
+    if refs:
+        pickler: pickle.Pickler = _RefPickler(out, found, buffer_callback=buffers.append)
+    else:
+        pickler = pickle.Pickler(out, 5, buffer_callback=buffers.append)
+    pickler.dump(batch)
+    return out.getvalue(), [np.frombuffer(b.raw(), np.uint8) for b in buffers], found
 
 
-def decode(blob: bytes, buffers: list[Any]) -> list[Command]:
+def decode(blob: bytes, buffers: list[Any], refs: list[Any]) -> list[Command]:
     """The batch of :func:`encode` (its arrays read the buffers given: zero-copy)."""
-    batch: list[Command] = pickle.loads(blob, buffers=buffers)
+    if not refs:
+        batch: list[Command] = pickle.loads(blob, buffers=buffers)
+        return batch
+    unpickler = _RefUnpickler(io.BytesIO(blob), refs, buffers=buffers)
+    batch = unpickler.load()
     return batch
+
+
+class _RefPickler(pickle.Pickler):
+    """Pickles Ray object refs as their index in ``found``."""
+
+    def __init__(self, out: io.BytesIO, found: list[Any], **kwargs: Any) -> None:
+        super().__init__(out, 5, **kwargs)
+        self._found = found
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, ray.ObjectRef):
+            self._found.append(obj)
+            return len(self._found) - 1
+        return None
+
+
+class _RefUnpickler(pickle.Unpickler):
+    """Reads what :class:`_RefPickler` wrote, the refs taken from ``refs``."""
+
+    def __init__(self, src: io.BytesIO, refs: list[Any], **kwargs: Any) -> None:
+        super().__init__(src, **kwargs)
+        self._refs = refs
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._refs[pid]
 
 
 class HostLost(RuntimeError):
@@ -85,14 +130,15 @@ class RayStore:
     """The :class:`Store` on Ray itself."""
 
     def actor(self, host: str) -> Any:
-        """``ray.get_actor`` of the host's actor name."""
-        return ray.get_actor(ACTOR_PREFIX + host)
+        """``ray.get_actor`` of the host's actor name, in the hosts' namespace."""
+        return ray.get_actor(ACTOR_PREFIX + host, namespace=NAMESPACE)
 
     def hosts(self) -> list[str]:
-        """The host names among the cluster's named actors."""
+        """The host names among the cluster's named actors (the hosts' namespace)."""
         if not ray.is_initialized():
             return []
-        names = ray.util.list_named_actors()
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        names = [a["name"] for a in actors if a["namespace"] == NAMESPACE]
         return sorted(n[len(ACTOR_PREFIX) :] for n in names if n.startswith(ACTOR_PREFIX))
 
     def put(self, value: Any) -> Any:
