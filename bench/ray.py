@@ -1,7 +1,8 @@
 """Remote devices on Ray (aiotinyrt/ray/) side by side with bare Ray, on a local cluster.
 
-    python bench/ray.py            # 5 repetitions, 10,000 pipelined launches, 64 MiB copies
+    python bench/ray.py            # 7 repetitions, 10,000 pipelined launches, 64 MiB copies
     python bench/ray.py --quick    # 3 repetitions, 2,000 launches, 16 MiB copies
+    python bench/ray.py --chunk-mib 64   # copies in pieces of 64 MiB (default: wire.CHUNK_BYTES)
 
 Rows: a bare async-actor call per launch (the anchor: ``await actor.f.remote()``, one after
 another) and the same calls pipelined (all sent, then gathered); aiotinyrt's remote device:
@@ -33,6 +34,7 @@ import ray  # noqa: E402
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
+from aiotinyrt.ray import wire  # noqa: E402
 
 KERNEL = "void k(float* restrict a, const float* restrict b) { a[0] = b[0] + 1.0f; }"
 MiB = 1 << 20
@@ -129,7 +131,9 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
     put = med[f"ray.put {copy_mib} MiB (GB/s)"]
     get = med[f"ray.get {copy_mib} MiB into an array (GB/s)"]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    chunk = wire.CHUNK_BYTES // MiB
     print(f"bench/ray.py: {reps} repetitions, medians; Ray {ray.__version__}, {os.cpu_count()} cores")
+    print(f"copies in pieces of {chunk} MiB")
     print(f"load average at the end (1 / 5 / 15 min): {load}\n")
     print("| row | median | vs bare actor call / the object store |")
     print("|---|---|---|")
@@ -156,13 +160,16 @@ async def _sequential(bare: Any, n: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--chunk-mib", type=int, default=None, help="the copies' piece size")
     args = parser.parse_args()
+    if args.chunk_mib is not None:
+        wire.CHUNK_BYTES = args.chunk_mib * MiB
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         if args.quick:
             asyncio.run(main(3, 2000, 16))
         else:
-            asyncio.run(main(5, 10000, 64))
+            asyncio.run(main(7, 10000, 64))
     finally:
         ray.shutdown()
         shutil.rmtree(_TMP, ignore_errors=True)

@@ -72,8 +72,6 @@ class _Connection:
         self._scheduled = False
         self._waiter: threading.Thread | None = None
         self._inflight: _queue.SimpleQueue[tuple[Any, list[Reply | None]] | None] = _queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
-        self._outbox: _queue.SimpleQueue[list[tuple[int, Part]]] = _queue.SimpleQueue()
         self.calls = 0  #: actor calls made (tests look)
         self.connect()
 
@@ -106,19 +104,7 @@ class _Connection:
         if full:  # (a flush scheduled for the turn's end sends whatever follows)
             self._send(scheduled=scheduled)
             return
-        try:
-            asyncio.get_running_loop().call_soon(self.flush)
-            return
-        except RuntimeError:
-            pass
-        try:
-            library = sniffio.current_async_library()
-        except sniffio.AsyncLibraryNotFoundError:
-            library = ""
-        if library == "trio" and trio is not None:
-            trio.lowlevel.current_trio_token().run_sync_soon(self.flush)
-        else:
-            self.flush()
+        _soon(self.flush)
 
     def flush(self) -> None:
         """Send the queued commands in one actor call (any thread)."""
@@ -150,28 +136,26 @@ class _Connection:
             self._waiter.start()
         self._inflight.put((ref, replies))
 
-    def send_apart(self, parts: list[Part], off_loop: bool) -> None:
+    def send_apart(self, parts: list[Part], one_per_turn: bool) -> None:
         """Send what is queued, then each part (a function making its command, and its reply)
-        in an actor call of its own, in order; with ``off_loop`` on the connection's sender
-        thread (the parts put bytes into the object store), else at once on this thread."""
+        in an actor call of its own, in order: all at once, or (``one_per_turn``: each part puts
+        bytes into the object store) one per turn of the submitting event loop, so the loop runs
+        other tasks between two pieces' puts while the host copies the last piece in."""
         self.flush()
         with self._lock:
             first = self._seq + 1
             self._seq += len(parts)
         jobs = [(first + k, part) for k, part in enumerate(parts)]
-        if not off_loop:
+        if not one_per_turn:
             for seq, part in jobs:
                 self._send_part(seq, part)
             return
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_loop, name=f"ray-{self.host}-put", daemon=True)
-            self._sender.start()
-        self._outbox.put(jobs)
+        self._send_each(jobs, 0)
 
-    def _send_loop(self) -> None:
-        while True:
-            for seq, part in self._outbox.get():
-                self._send_part(seq, part)
+    def _send_each(self, jobs: list[tuple[int, Part]], i: int) -> None:
+        self._send_part(*jobs[i])
+        if i + 1 < len(jobs):
+            _soon(functools.partial(self._send_each, jobs, i + 1))
 
     def _send_part(self, seq: int, part: Part) -> None:
         make, reply = part
@@ -181,7 +165,7 @@ class _Connection:
             return
         try:
             batch = [make()]
-        except Exception as exc:  # (the put failed: this part fails; its turn still goes)
+        except Exception as exc:  # (the put failed: this part fails; its sequence number still goes)
             batch = []
             reply(None, exc)
         try:
@@ -247,6 +231,24 @@ def _put_copyin(cid: int, ref: tuple[int, int, int], data: np.ndarray[Any, Any],
 
 def _as_is(cmd: Command) -> Command:
     return cmd
+
+
+def _soon(fn: Callable[[], None]) -> None:
+    """Call ``fn`` at the next turn of the calling thread's event loop (asyncio, uvloop: its
+    ``call_soon``; trio: the token's ``run_sync_soon``), or now outside one."""
+    try:
+        asyncio.get_running_loop().call_soon(fn)
+        return
+    except RuntimeError:
+        pass
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        library = ""
+    if library == "trio" and trio is not None:
+        trio.lowlevel.current_trio_token().run_sync_soon(fn)
+    else:
+        fn()
 
 
 def _fail(replies: Sequence[Reply | None], error: BaseException) -> None:
@@ -384,8 +386,8 @@ class _QueueDriver:
             if data.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
                 return cid
-            # put into the object store off the loop, piece by piece: the host copies one piece
-            # in while the next is put
+            # put into the object store piece by piece, one per loop turn: the host copies one
+            # piece in while the next is put
             pieces = _pieces(data.nbytes)
             whole = _Pieces(len(pieces), done)
             parts: list[Part] = [
@@ -401,7 +403,7 @@ class _QueueDriver:
                 )
                 for k, size in pieces
             ]
-            conn.send_apart(parts, off_loop=True)
+            conn.send_apart(parts, one_per_turn=True)
         elif func is RemoteAllocator._copyout:
             out, src = args
             if src.nbytes <= wire.CHUNK_BYTES:
@@ -418,7 +420,7 @@ class _QueueDriver:
                 parts.append(
                     (functools.partial(_as_is, piece), _reply(dev, whole.piece_done, into[k : k + size]))
                 )
-            conn.send_apart(parts, off_loop=False)
+            conn.send_apart(parts, one_per_turn=False)
         elif func is RemoteAllocator._transfer:
             dest, src, _nbytes, src_dev = args
             if src_dev.conn is conn:
