@@ -23,6 +23,7 @@ import numpy as np
 
 from aiotinyrt import Buffer, BufferSpec, Device, dtypes
 from aiotinyrt.backends import ops_cpu
+from aiotinyrt.host import memory as host_memory
 
 LOOPS = {"asyncio": ("asyncio", {}), "uvloop": ("asyncio", {"use_uvloop": True}), "trio": ("trio", {})}
 DEV = "CPU:2"
@@ -46,7 +47,7 @@ async def measure(free_all: Callable[[], Awaitable[None]]) -> tuple[float, float
         start = time.perf_counter()
         await free_all()
         spent = time.perf_counter() - start
-        await anyio.to_thread.run_sync(ops_cpu._unmapper.drain)  # the unmapping itself, off the loop
+        await anyio.to_thread.run_sync(host_memory.unmapper.drain)  # the unmapping itself, off the loop
         await anyio.sleep(0.02)
         stop.set()
     return lag[0] * 1e3, spent * 1e3
@@ -91,14 +92,14 @@ async def case(how: str, nbytes: int, count: int) -> tuple[float, float]:
 async def run(nbytes: int, count: int) -> list[tuple[str, str, float, float]]:
     # the machine's own noise: the same ticker while nothing is freed
     rows = [("nothing (baseline)", "-", *await measure(anyio.lowlevel.checkpoint))]
-    inline = ops_cpu._UNMAP_INLINE_BYTES
+    inline = host_memory.UNMAP_INLINE_BYTES
     for how in ("nolru", "zero", "LRU=0", "free_cache()"):
         for where, limit in (("unmapper thread", inline), ("loop thread", 1 << 62)):
-            ops_cpu._UNMAP_INLINE_BYTES = limit
+            host_memory.UNMAP_INLINE_BYTES = limit
             try:
                 lag, spent = await case(how, nbytes, count)
             finally:
-                ops_cpu._UNMAP_INLINE_BYTES = inline
+                host_memory.UNMAP_INLINE_BYTES = inline
             rows.append((how, where, lag, spent))
     return rows
 

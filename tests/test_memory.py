@@ -16,7 +16,7 @@ import pytest
 
 from aiotinyrt import Buffer, BufferSpec, Device, dtypes
 from aiotinyrt.allocator import AllocatorStatistics
-from aiotinyrt.backends import ops_cpu
+from aiotinyrt.host import memory as host_memory
 
 pytestmark = pytest.mark.anyio
 
@@ -135,11 +135,11 @@ async def test_memory_freed_under_a_host_view_is_unmapped_when_the_last_view_goe
     await buf.free()
     del view
     gc.collect()
-    ops_cpu._unmapper.drain()
+    host_memory.unmapper.drain()
     assert not mm.closed, "unmapped while a slice of the view is alive"
     assert bytes(part) == np.arange(4, 8, dtype=np.int32).tobytes()
     del part  # the last view: the memory goes back now, not at some later unrelated free
-    ops_cpu._unmapper.drain()
+    host_memory.unmapper.drain()
     assert mm.closed
 
 
@@ -161,13 +161,13 @@ async def test_a_view_of_live_memory_does_not_keep_it_out_of_the_cache_after_it_
 def unmapped_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, int]]]:
     """(thread id, bytes) of every mapping the CPU allocator unmaps."""
     seen: list[tuple[int, int]] = []
-    real = ops_cpu._close_mapping
+    real = host_memory._close_mapping
 
     def recording(mm: mmap.mmap) -> None:
         seen.append((threading.get_ident(), len(mm)))
         real(mm)
 
-    monkeypatch.setattr(ops_cpu, "_close_mapping", recording)
+    monkeypatch.setattr(host_memory, "_close_mapping", recording)
     yield seen
 
 
@@ -175,7 +175,7 @@ BIG = 64 << 20  # bytes
 
 
 def big_ones(seen: list[tuple[int, int]]) -> list[int]:
-    ops_cpu._unmapper.drain()
+    host_memory.unmapper.drain()
     return [thread for thread, nbytes in seen if nbytes >= BIG]
 
 

@@ -11,16 +11,13 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import queue
 import shutil
 import subprocess
 import tempfile
-import threading
 from typing import Any
 
 import anyio
 import anyio.to_thread
-import cffi
 
 from aiotinyrt import native
 from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
@@ -29,39 +26,21 @@ from aiotinyrt.device import Compiled
 from aiotinyrt.graph import NativeRun
 from aiotinyrt.helpers import debug_level, find_cc, get_logger, getenv, getenv_str
 from aiotinyrt.host import ccprocess, elf
+from aiotinyrt.host.cores import CorePool
+from aiotinyrt.host.graph import compile_run
+from aiotinyrt.host.memory import (
+    SMALL_COPY,
+    address_of,
+    copy_from_memory,
+    copy_to_memory,
+    ffi,
+    memmove,
+    native_memmove,
+    unmap,
+    unmapper,
+)
 from aiotinyrt.kernel import ClangRenderer, Kernel, cpu_threads
 from aiotinyrt.program import Program
-
-_ffi = cffi.FFI()
-_ffi.cdef(
-    """
-    void *memcpy(void *dest, const void *src, size_t n);
-    void *memmove(void *dest, const void *src, size_t n);
-    """
-)
-_libc: Any = _ffi.dlopen(None)
-
-
-_MEMMOVE = int(_ffi.cast("uintptr_t", _libc.memmove))
-
-
-def _host_address(view: memoryview, writable: bool) -> int:
-    """The address of a contiguous host buffer. The caller keeps ``view`` alive until the copy
-    ran: its own export pins the memory (a bytearray cannot be resized meanwhile). cffi's export
-    is released at once, so no cffi object referring to the view outlives this call (one left
-    in a reference cycle with the view crashes the interpreter's final collection)."""
-    cdata = _ffi.from_buffer(view, require_writable=writable)
-    try:
-        return int(_ffi.cast("uintptr_t", cdata))
-    finally:
-        _ffi.release(cdata)
-
-
-def _native_memmove(dest: int, src: int, nbytes: int, keep: object) -> tuple[int, int, int, object]:
-    """A native queue command: ``memmove(dest, src, nbytes)`` (views of one buffer may overlap)."""
-    block = native.ffi.new("uint64_t[3]", [dest, src, nbytes])
-    return _MEMMOVE, 3, int(native.ffi.cast("uintptr_t", block)), (block, keep)
-
 
 _log = get_logger("compiler")
 
@@ -166,7 +145,7 @@ class CPUProgram(Program):
         addr = self.image.symbols.get(name)
         if addr is None:
             raise ValueError(f"the binary has no function named {name!r}")
-        self._addr = _ffi.cast("void *", addr)
+        self._addr = ffi.cast("void *", addr)
         self._fns: dict[tuple[int, int], Any] = {}
         self._native_fn = addr
 
@@ -176,7 +155,7 @@ class CPUProgram(Program):
         fn = self._fns.get(key)
         if fn is None:
             params = ", ".join(["void *"] * nbufs + ["int32_t"] * nvals) or "void"
-            fn = self._fns[key] = _ffi.cast(f"void (*)({params})", self._addr)
+            fn = self._fns[key] = ffi.cast(f"void (*)({params})", self._addr)
         return fn
 
     def _native_call(self, handles: list[Any], global_size: tuple[int, ...], vals: tuple[int, ...]) -> Any:
@@ -222,17 +201,12 @@ class CPUMemory:
     def __init__(self, mm: mmap.mmap | None, addr: int, offset: int, nbytes: int) -> None:
         self.mm = mm
         self.addr = addr
-        self.ptr = _ffi.cast("void *", addr)  # what kernels are called with (cheaper than an int)
+        self.ptr = ffi.cast("void *", addr)  # what kernels are called with (cheaper than an int)
         self.offset = offset
         self.nbytes = nbytes
 
     def __repr__(self) -> str:
         return f"<CPUMemory 0x{self.addr:x} {self.nbytes} bytes>"
-
-
-#: Host copies up to this size go through ``ffi.memmove``, which holds the GIL (a microsecond or
-#: two); larger ones through libc's memcpy, called with the GIL released.
-_SMALL_COPY = 64 * 1024
 
 
 class CPUAllocator(LRUAllocator[CPUMemory]):
@@ -241,7 +215,7 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
     handle_type = CPUMemory
 
     #: 64 KiB: a few microseconds of memcpy on the loop thread (see Allocator.inline_copy_bytes)
-    inline_copy_bytes = _SMALL_COPY
+    inline_copy_bytes = SMALL_COPY
 
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
@@ -254,7 +228,7 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         if options.external_ptr is not None:
             return CPUMemory(None, options.external_ptr, 0, nbytes)
         mm = mmap.mmap(-1, nbytes)
-        return CPUMemory(mm, int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm))), 0, nbytes)
+        return CPUMemory(mm, int(ffi.cast("uintptr_t", ffi.from_buffer(mm))), 0, nbytes)
 
     def _free(self, opaque: CPUMemory, nbytes: int, options: BufferSpec) -> None:
         mm = opaque.mm
@@ -282,45 +256,38 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
             unmap(parked)
 
     def _wait_released(self) -> None:
-        _unmapper.drain()
+        unmapper.drain()
 
     def _copyin(self, dest: CPUMemory, src: memoryview) -> None:
         if src.nbytes > dest.nbytes:
             raise ValueError(f"copyin of {src.nbytes} bytes into {dest.nbytes} bytes")
-        if src.nbytes <= _SMALL_COPY:  # (ffi.memmove takes the buffer as it is, but keeps the GIL)
-            _ffi.memmove(dest.ptr, src, src.nbytes)
-        else:  # a call through the library releases the GIL for the copy
-            _libc.memcpy(dest.ptr, _ffi.from_buffer(src), src.nbytes)
+        copy_to_memory(dest.ptr, src)
 
     def _copyout(self, dest: memoryview, src: CPUMemory) -> None:
         if dest.nbytes > src.nbytes:
             raise ValueError(f"copyout of {dest.nbytes} bytes from {src.nbytes} bytes")
-        if dest.nbytes <= _SMALL_COPY:
-            _ffi.memmove(dest, src.ptr, dest.nbytes)  # (dest: a writable buffer, checked by the caller)
-        else:
-            _libc.memcpy(_ffi.from_buffer(dest, require_writable=True), src.ptr, dest.nbytes)
+        copy_from_memory(dest, src.ptr)
 
     def _transfer(self, dest: CPUMemory, src: Any, nbytes: int, src_device: AllocatorOwner) -> None:
-        # memmove: two views of one buffer may overlap
-        _libc.memmove(_ffi.cast("void *", dest.addr), _ffi.cast("void *", src.addr), nbytes)
+        memmove(dest.addr, src.addr, nbytes)
 
     def _can_transfer_from(self, src_device: AllocatorOwner) -> bool:
         return isinstance(src_device.allocator, CPUAllocator)
 
     def _native_copyin(self, dest: CPUMemory, src: memoryview) -> tuple[int, int, int, object] | None:
-        return _native_memmove(dest.addr, _host_address(src, False), src.nbytes, None)
+        return native_memmove(dest.addr, address_of(src, False), src.nbytes, None)
 
     def _native_copyout(self, dest: memoryview, src: CPUMemory) -> tuple[int, int, int, object] | None:
-        return _native_memmove(_host_address(dest, True), src.addr, dest.nbytes, None)
+        return native_memmove(address_of(dest, True), src.addr, dest.nbytes, None)
 
     def _native_transfer(self, dest: CPUMemory, src: Any, nbytes: int) -> tuple[int, int, int, object] | None:
-        return _native_memmove(dest.addr, src.addr, nbytes, None)
+        return native_memmove(dest.addr, src.addr, nbytes, None)
 
     def _offset(self, opaque: CPUMemory, nbytes: int, offset: int) -> CPUMemory:
         return CPUMemory(opaque.mm, opaque.addr + offset, opaque.offset + offset, nbytes)
 
     def _as_memoryview(self, opaque: CPUMemory, nbytes: int) -> memoryview:
-        pointer = _ffi.cast("char *", opaque.addr)
+        pointer = ffi.cast("char *", opaque.addr)
         mm = opaque.mm
         if mm is not None:
             # The view exports a cffi pointer, not the mmap: its destructor runs when the last
@@ -328,128 +295,8 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
             # destructor holds the mmap, which therefore outlives every view.
             with self._lock:
                 self._views[id(mm)] = self._views.get(id(mm), 0) + 1
-            pointer = _ffi.gc(pointer, lambda _: self._view_gone(mm))
-        return memoryview(_ffi.buffer(pointer, nbytes))
-
-
-#: Mappings at least this large are unmapped by the unmapper thread, not by the freeing thread:
-#: munmap of touched pages costs ~0.2 ms per MiB (50 ms per 256 MiB), too long for the loop.
-_UNMAP_INLINE_BYTES = 256 * 1024
-
-
-class _Unmapper:
-    """One daemon thread per process that closes (unmaps) the mmaps handed to it, so no free,
-    ``free_cache()`` or out-of-memory retry unmaps on the event loop thread."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[mmap.mmap | threading.Event] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-
-    def put(self, mm: mmap.mmap) -> None:
-        try:
-            self._ensure()
-        except RuntimeError:  # no new thread at interpreter shutdown: unmap here
-            _close_mapping(mm)
-            return
-        self._queue.put(mm)
-
-    def drain(self) -> None:
-        """Block until everything handed over so far is unmapped (out-of-memory retry, tests)."""
-        if self._thread is None or self._pid != os.getpid():
-            return
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait()
-
-    def _ensure(self) -> None:
-        pid = os.getpid()
-        if self._thread is not None and self._pid == pid:
-            return
-        with self._lock:
-            if self._thread is None or self._pid != pid:  # (none in a forked child)
-                self._queue = queue.SimpleQueue()
-                self._pid = pid
-                thread = threading.Thread(target=self._run, name="aiotinyrt-unmapper", daemon=True)
-                thread.start()
-                self._thread = thread
-
-    def _run(self) -> None:
-        q = self._queue
-        while True:
-            item = q.get()
-            if isinstance(item, threading.Event):
-                item.set()
-            else:
-                _close_mapping(item)
-
-
-def _close_mapping(mm: mmap.mmap) -> None:
-    mm.close()
-
-
-_unmapper = _Unmapper()
-
-
-def unmap(mm: mmap.mmap) -> None:
-    """Unmap ``mm``: at once when small, else on the unmapper thread."""
-    if len(mm) < _UNMAP_INLINE_BYTES:
-        _close_mapping(mm)
-    else:
-        _unmapper.put(mm)
-
-
-class CorePool:
-    """Daemon threads that run the chunks of a split kernel launch (chunk 0 runs on the queue's
-    own worker). Daemon, so a kernel that never returns cannot hold up interpreter exit."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._tasks: queue.SimpleQueue[tuple[Any, tuple[Any, ...], threading.Semaphore, list[BaseException]]]
-        self._tasks = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def _ensure(self, n: int) -> None:
-        with self._lock:
-            while len(self._threads) < n:
-                thread = threading.Thread(
-                    target=self._run, name=f"aiotinyrt-{self.name}/core{len(self._threads) + 1}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
-
-    def _run(self) -> None:
-        while True:
-            fn, args, done, errors = self._tasks.get()
-            if fn is None:
-                return
-            try:
-                fn(*args)
-            except BaseException as exc:
-                errors.append(exc)
-            done.release()
-
-    def run_split(self, fn: Any, args: tuple[Any, ...], threads: int) -> None:
-        """Run ``fn(*args, core_id, threads)`` for every core_id, concurrently; raise the first
-        error after all chunks finished."""
-        self._ensure(threads - 1)
-        done = threading.Semaphore(0)
-        errors: list[BaseException] = []
-        for core in range(1, threads):
-            self._tasks.put((fn, (*args, core, threads), done, errors))
-        try:
-            fn(*args, 0, threads)
-        finally:
-            for _ in range(threads - 1):
-                done.acquire()
-        if errors:
-            raise errors[0]
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._tasks.put((None, (), threading.Semaphore(), []))
+            pointer = ffi.gc(pointer, lambda _: self._view_gone(mm))
+        return memoryview(ffi.buffer(pointer, nbytes))
 
 
 class CPUDevice(Compiled):
@@ -480,76 +327,6 @@ class CPUDevice(Compiled):
         return os.cpu_count() or 1
 
     async def _native_graph(self, entries: list[Any]) -> NativeRun | None:
-        """Compile a run of captured raw C launches into one C function that calls each kernel
-        with its recorded arguments (addresses come from arrays, so the code is cacheable)."""
-        transfer = CPUAllocator._transfer
-
-        def is_transfer(fn: Any) -> bool:
-            return getattr(fn, "__func__", None) is transfer
-
-        if not all(
-            e.queue is self._compute_queue
-            and (
-                is_transfer(e.fn)  # a transfer folded into the run (see Graph._fold_transfers)
-                or (
-                    isinstance(e.program, CPUProgram)
-                    and e.fn is e.program.function(len(e.bufs), len(e.args) - len(e.bufs))
-                )
-            )
-            for e in entries
-        ):
-            return None
-        lines: list[str] = []
-        flat: list[int] = []
-        positions: dict[tuple[int, int], list[int]] = {}
-        starts: list[int] = []
-        for i, entry in enumerate(entries):
-            starts.append(len(flat))
-            if is_transfer(entry.fn):  # memmove(dest, src, nbytes): views of one buffer may overlap
-                base = len(flat)
-                dest, src, nbytes, _ = entry.args
-                flat.extend((dest.addr, src.addr, nbytes))
-                for b, slots in enumerate(entry.slots):
-                    positions[(i, b)] = [base + j for j, _ in slots]
-                d, s_, n = base, base + 1, base + 2
-                lines.append(f"  memmove((void *)a[{d}], (const void *)a[{s_}], (size_t)a[{n}]);")
-                continue
-            nbufs = len(entry.bufs)
-            params = ", ".join(["uintptr_t"] * nbufs + ["int32_t"] * (len(entry.args) - nbufs)) or "void"
-            base = len(flat)
-            call = [
-                f"a[{base + j}]" if j < nbufs else f"(int32_t)a[{base + j}]" for j in range(len(entry.args))
-            ]
-            flat.extend(
-                a & 0xFFFF_FFFF_FFFF_FFFF if isinstance(a, int) else int(_ffi.cast("uintptr_t", a))
-                for a in entry.args
-            )
-            for b, slots in enumerate(entry.slots):
-                positions[(i, b)] = [base + j for j, _ in slots]
-            lines.append(f"  ((void (*)({params}))f[{i}])({', '.join(call)});")
-        src = (
-            "#include <stdint.h>\n#include <string.h>\n"
-            "void graph_replay(const uintptr_t *restrict f, const uintptr_t *restrict a) {\n"
-            + "\n".join(lines)
-            + "\n}\n"
-        )
-        replay = CPUProgram(self, "graph_replay", await self.compiler.compile_cached(src))
-        count = max(len(flat), 1)
-
-        def copy_args(old: Any) -> Any:
-            new = _ffi.new("uintptr_t[]", count)
-            _ffi.memmove(new, old, count * 8)
-            return new
-
-        return NativeRun(
-            cfunc=_ffi.cast("void (*)(uintptr_t *, uintptr_t *)", replay._addr),
-            fns=_ffi.new(
-                "uintptr_t[]",
-                [0 if is_transfer(e.fn) else int(_ffi.cast("uintptr_t", e.program._addr)) for e in entries],
-            ),
-            args=_ffi.new("uintptr_t[]", flat or [0]),
-            positions=positions,
-            copy_args=copy_args,
-            keep=(replay, [e.program for e in entries if e.program is not None]),
-            starts=starts,
-        )
+        """A run of captured raw C launches (and folded transfers) as one C function
+        (:func:`aiotinyrt.host.graph.compile_run`)."""
+        return await compile_run(self, entries, CPUProgram, CPUAllocator._transfer)
