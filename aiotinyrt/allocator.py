@@ -2,12 +2,14 @@
 
 Backends implement the synchronous hooks ``_alloc``, ``_free``, ``_copyin``, ``_copyout`` and
 optionally ``_transfer``, ``_offset`` and ``_as_memoryview``. The public coroutines here own
-validation, checkpoints, accounting, error translation, and the ordering of copies on the
-device's copy queue. Copies run on the device's worker threads, never on the event loop.
+validation, checkpoints, accounting and error translation; their copies are submitted by
+:func:`aiotinyrt.copies.submit_copy`, as every copy is. Copies run on the device's worker
+threads, never on the event loop.
 
 Raw allocator copies are ordered after everything already submitted to the device (a full
-barrier): code working at this level does not have buffer-level hazard tracking, so the safe
-order is the submission order. :class:`~aiotinyrt.buffer.Buffer` tracks hazards precisely.
+barrier, :class:`aiotinyrt.copies.Raw`): code working at this level does not have buffer-level
+hazard tracking, so the safe order is the submission order. :class:`~aiotinyrt.buffer.Buffer`
+tracks hazards precisely.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio.lowlevel
 
-from aiotinyrt import recorder
+from aiotinyrt import copies, recorder
 from aiotinyrt.helpers import debug_level, format_bytes, get_logger, getenv
 from aiotinyrt.lifetime import keep_forever
 from aiotinyrt.queue import Queue
@@ -464,8 +466,7 @@ class Allocator(Generic[T]):
         await anyio.lowlevel.checkpoint_if_cancelled()
         mv = host_bytes(src, writable=False, what="copyin source")
         self._check_copy_size(dest, mv.nbytes, "copyin")
-        sig = self.device._copy_queue.submit(self._copyin, (dest, mv), self.device._barrier(), keep=mv)
-        await sig
+        await copies.submit_copy(copies.Raw(self.device, dest), mv, mv.nbytes)
 
     async def copyout(self, dest: memoryview, src: T) -> None:
         """Copy device memory ``src`` into host memory ``dest`` (``len(dest)`` bytes).
@@ -478,8 +479,7 @@ class Allocator(Generic[T]):
         mv = host_bytes(dest, writable=True, what="copyout destination")
         self.check_copyout()
         self._check_copy_size(src, mv.nbytes, "copyout")
-        sig = self.device._copy_queue.submit(self._copyout, (mv, src), self.device._barrier(), keep=mv)
-        await sig
+        await copies.submit_copy(mv, copies.Raw(self.device, src), mv.nbytes)
 
     def _check_copy_size(self, opaque: T, nbytes: int, what: str) -> None:
         if nbytes == 0:
@@ -509,20 +509,9 @@ class Allocator(Generic[T]):
         self._check_copy_size(dest, nbytes, "transfer")
         src_device.allocator._check_copy_size(src, nbytes, "transfer")
         await anyio.lowlevel.checkpoint_if_cancelled()
-        self.device._check_open()
-        deps = self.device._barrier() + src_device._barrier()
-        keep = (dest, src)
-        queue = self.device._copy_queue
-        if self.direct_from(src_device):
-            call = self._native_transfer(dest, src, nbytes) if queue.native else None
-            await queue.submit_either(call, self._transfer, (dest, src, nbytes, src_device), deps, keep)
-            return
-        src_device.allocator.check_copyout()
-        staging = memoryview(bytearray(nbytes))
-        out_sig = src_device._copy_queue.submit(
-            src_device.allocator._copyout, (staging, src), deps, keep=keep
-        )
-        await queue.submit(self._copyin, (dest, staging), (out_sig,), keep=(keep, staging))
+        sig = copies.submit_copy(copies.Raw(self.device, dest), copies.Raw(src_device, src), nbytes)
+        assert sig is not None  # (raw memory is never recorded into a capture)
+        await sig
 
 
 class LRUAllocator(Allocator[T]):

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from aiotinyrt import hazards
+from aiotinyrt import copies, hazards
 from aiotinyrt.allocator import BufferSpec, host_bytes
 from aiotinyrt.dtype import DType
-from aiotinyrt.queue import capturing
 from aiotinyrt.registry import Device, DeviceLike
 from aiotinyrt.signal import Signal, Timeline
 
@@ -51,6 +50,10 @@ class Buffer:
         "options",
         "size",
     )
+
+    #: A Buffer's accesses are recorded, so its copies order precisely and a capture records
+    #: them (see :mod:`aiotinyrt.copies`).
+    tracked = True
 
     def __init__(
         self,
@@ -348,20 +351,10 @@ class Buffer:
     def _enqueue_copy(self, data: memoryview, into: bool) -> Signal:
         """Queue the copy of checked host memory ``data`` in (``into``) or out on the device's
         copy queue, ordered after the pending work it conflicts with; ``data`` is kept alive
-        until it ran."""
-        handle = self.handle()
-        device = self.device_obj
-        alloc = device.allocator
-        queue = device._copy_queue
-        deps = tuple(self.dependencies(queue.timeline, into))
+        until it ran (:func:`aiotinyrt.copies.submit_copy`)."""
         if into:
-            call = alloc._native_copyin(handle, data) if queue.native else None
-            sig = queue.submit_either(call, alloc._copyin, (handle, data), deps, (self, data))
-        else:
-            call = alloc._native_copyout(data, handle) if queue.native else None
-            sig = queue.submit_either(call, alloc._copyout, (data, handle), deps, (self, data))
-        self.record(sig, into)
-        return sig
+            return copies.submit_copy(self, data, data.nbytes)
+        return copies.submit_copy(data, self, data.nbytes)
 
     async def copyout(self, dest: object) -> None:
         """Copy the contents into writable host memory of exactly ``nbytes``.
@@ -440,7 +433,7 @@ class Buffer:
 async def _submit_copy(dest: Buffer, src: Buffer) -> None:
     """Copy ``src`` into ``dest`` on ``dest``'s copy queue and wait for it (``Buffer.copy_from``)."""
     await anyio.lowlevel.checkpoint_if_cancelled()
-    sig = enqueue_copy(dest, src)
+    sig = copies.submit_copy(dest, src, dest.nbytes)
     if sig is None:  # recorded into a capture
         await anyio.lowlevel.checkpoint()
     else:
@@ -450,46 +443,5 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
 def enqueue_copy(dest: Buffer, src: Buffer) -> Signal | None:
     """Enqueue the copy of ``src`` into ``dest`` on ``dest``'s copy queue, ordered by the hazard
     rules, without waiting (for synchronous callers: tinygrad's transfers); its Signal, or None
-    when a capture recorded it."""
-    device = dest.device_obj
-    device._check_open()
-    src_dev = src.device_obj
-    src_dev._check_open()  # a closed device's memory is read by no copy, whatever the path
-    dst_handle, src_handle = dest.handle(), src.handle()
-    queue = device._copy_queue
-    alloc = device.allocator
-    graph = capturing.get()
-    if graph is not None:
-        if alloc.direct_from(src_dev):
-            args = (dst_handle, src_handle, dest.nbytes, src_dev)
-            graph._record(queue, alloc._transfer, args, (dest, src), [True, False])
-            return None
-        src_dev.allocator.check_copyout()
-        staging = memoryview(bytearray(src.nbytes))
-        out_args = (staging, src_handle)
-        graph._record(src_dev._copy_queue, src_dev.allocator._copyout, out_args, (src,), [False])
-        graph._record(queue, alloc._copyin, (dst_handle, staging), (dest,), [True])
-        return None
-    if alloc.direct_from(src_dev):
-        deps = tuple(src.dependencies(queue.timeline, False) + dest.dependencies(queue.timeline, True))
-        call = alloc._native_transfer(dst_handle, src_handle, dest.nbytes) if queue.native else None
-        args = (dst_handle, src_handle, dest.nbytes, src_dev)
-        sig = queue.submit_either(call, alloc._transfer, args, deps, (dest, src))
-        src.record(sig, False)
-        dest.record(sig, True)
-        return sig
-    # staging through host memory: the source's worker copies out, this worker copies in
-    src_dev.allocator.check_copyout()
-    staging = memoryview(bytearray(src.nbytes))
-    src_queue = src_dev._copy_queue
-    out_sig = src_queue.submit(
-        src_dev.allocator._copyout,
-        (staging, src_handle),
-        tuple(src.dependencies(src_queue.timeline, False)),
-        keep=(src, staging),
-    )
-    src.record(out_sig, False)
-    deps = (out_sig, *dest.dependencies(queue.timeline, True))
-    in_sig = queue.submit(alloc._copyin, (dst_handle, staging), deps, keep=(dest, staging))
-    dest.record(in_sig, True)
-    return in_sig
+    when a capture recorded it (:func:`aiotinyrt.copies.submit_copy`)."""
+    return copies.submit_copy(dest, src, dest.nbytes)
