@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, Device, cachedir, dtypes, native
-from aiotinyrt.backends.ops_cpu import ClangCompiler
 from aiotinyrt.compiler import DiskCache
 from aiotinyrt.helpers import find_cc
+from aiotinyrt.host.compiler import ClangCompiler
 
 ROOT = Path(__file__).resolve().parent.parent
 INC = "void inc(int* restrict out) { out[0] += 1; }"

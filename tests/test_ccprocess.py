@@ -22,8 +22,8 @@ import anyio.to_thread
 import pytest
 
 from aiotinyrt import CompileError
-from aiotinyrt.backends.ops_cpu import ClangCompiler
 from aiotinyrt.host import ccprocess, elf
+from aiotinyrt.host.compiler import ClangCompiler
 from tests.helpers import INC
 
 pytestmark = pytest.mark.anyio
@@ -238,7 +238,7 @@ def test_exit_kills_the_waiting_compiler() -> None:
     result = run_python(
         """
         import anyio
-        from aiotinyrt.backends.ops_cpu import ClangCompiler
+        from aiotinyrt.host.compiler import ClangCompiler
         c = ClangCompiler(["clang"])
         anyio.run(c.compile, "void k(int *o) { o[0] = 1; }")
         print(c._process._standby.proc.pid)
@@ -257,7 +257,7 @@ def test_a_forked_child_starts_its_own_compiler_and_leaves_the_parents_alone(tmp
     result = run_python(
         f"""
         import os, anyio
-        from aiotinyrt.backends.ops_cpu import ClangCompiler
+        from aiotinyrt.host.compiler import ClangCompiler
         c = ClangCompiler([{str(fake)!r}])
         anyio.run(c.compile, "void k(int *o) {{ o[0] = 1; }}")
         parents = c._process._standby.proc.pid

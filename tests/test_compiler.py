@@ -10,9 +10,9 @@ import anyio.lowlevel
 import pytest
 
 from aiotinyrt import CompileError, Compiler, Device
-from aiotinyrt.backends.ops_cpu import ClangCompiler
 from aiotinyrt.compiler import cache_path
 from aiotinyrt.helpers import find_cc
+from aiotinyrt.host.compiler import ClangCompiler
 from tests.helpers import assert_cancelled_at_entry
 
 pytestmark = pytest.mark.anyio

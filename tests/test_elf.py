@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, CompileError, Device, dtypes
-from aiotinyrt.backends.ops_cpu import ClangCompiler, CPUProgram
+from aiotinyrt.backends.ops_cpu import CPUProgram
 from aiotinyrt.helpers import find_cc
 from aiotinyrt.host import arena, elf
+from aiotinyrt.host.compiler import ClangCompiler
 
 pytestmark = pytest.mark.anyio
 
