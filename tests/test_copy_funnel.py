@@ -11,6 +11,7 @@ import pytest
 
 from aiotinyrt import Buffer, Device, copies, dtypes
 from aiotinyrt.buffer import enqueue_copy
+from aiotinyrt.driverqueue import DriverQueue
 from aiotinyrt.queue import HostQueue
 from tests.helpers import contents, int_array_buffer
 
@@ -58,7 +59,7 @@ def funnel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Funnel]:
             seen.depth -= 1
 
     def watch(method: Callable[..., Any], fn_at: int) -> Callable[..., Any]:
-        def submit(self: HostQueue, *args: Any, **kwargs: Any) -> Any:
+        def submit(self: object, *args: Any, **kwargs: Any) -> Any:
             if seen.in_queue:
                 return method(self, *args, **kwargs)
             name = getattr(args[fn_at], "__name__", "")
@@ -73,8 +74,9 @@ def funnel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Funnel]:
         return submit
 
     monkeypatch.setattr(copies, "submit_copy", counting)
-    monkeypatch.setattr(HostQueue, "submit", watch(HostQueue.submit, 0))
-    monkeypatch.setattr(HostQueue, "submit_either", watch(HostQueue.submit_either, 1))
+    for kind in (HostQueue, DriverQueue):
+        monkeypatch.setattr(kind, "submit", watch(kind.submit, 0))
+        monkeypatch.setattr(kind, "submit_either", watch(kind.submit_either, 1))
     yield seen
 
 
@@ -136,6 +138,22 @@ async def test_raw_allocator_copies_pass_the_funnel(funnel: Funnel) -> None:
     await cpu.allocator.free(a, nbytes)
     await cpu1.allocator.free(b, nbytes)
     await toy.allocator.free(t, nbytes)
+
+
+async def test_copies_of_a_driver_run_device_pass_the_funnel(funnel: Funnel) -> None:
+    fake = await Buffer("FAKE", BIG, dtypes.int32).allocate()
+    await fake.copyin(np.full(BIG, 4, np.int32))  # (FAKE copies are never inline)
+    cpu = await Buffer("CPU", BIG, dtypes.int32).allocate()
+    await cpu.copy_from(fake)  # staged: FAKE copies out, CPU copies in
+    out = np.zeros(BIG, np.int32)
+    await Device["FAKE"].allocator.copyout(memoryview(out).cast("B"), fake.handle())
+    assert out.tolist() == [4] * BIG
+    assert await contents(cpu) == [4] * BIG
+    assert funnel.kinds[:3] == ["in", "transfer", "out"]
+    assert [hook for hook, _ in funnel.submitted][:4] == ["_copyin", "_copyout", "_copyin", "_copyout"]
+    assert funnel.outside() == []
+    await fake.free()
+    await cpu.free()
 
 
 async def test_a_captured_transfer_is_recorded_by_the_funnel(funnel: Funnel) -> None:
