@@ -234,6 +234,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_exit_kills_the_waiting_compiler() -> None:
     result = run_python(
         """
@@ -249,6 +250,7 @@ def test_exit_kills_the_waiting_compiler() -> None:
         os.kill(int(result.stdout), 0)
 
 
+@pytest.mark.slow
 def test_a_forked_child_starts_its_own_compiler_and_leaves_the_parents_alone(tmp_path: Path) -> None:
     fake = tmp_path / "fake-cc"
     fake.write_text(FAKE.format(dir=tmp_path))
@@ -279,6 +281,7 @@ def test_a_forked_child_starts_its_own_compiler_and_leaves_the_parents_alone(tmp
     assert int(parents) not in log[:-1]  # which the child neither used nor killed
 
 
+@pytest.mark.slow
 def test_a_fork_while_a_compile_writes_its_source_does_not_hold_that_compile(tmp_path: Path) -> None:
     started, go = tmp_path / "started", tmp_path / "go"
     os.mkfifo(started)
