@@ -501,7 +501,9 @@ class Allocator(Generic[T]):
         """Copy ``nbytes`` from ``src`` (memory of ``src_device``) into ``dest`` on this device.
 
         Direct when the backend can (CPU to CPU:N: one memcpy on this device's copy worker);
-        otherwise through a host staging buffer, still without passing through the event loop.
+        otherwise through a host staging buffer, still without passing through the event loop:
+        the copy out of ``src`` waits for everything submitted to ``src_device``, the copy into
+        ``dest`` for that and for everything submitted to this device.
 
         Cancellation: cancels the wait only; the transfer completes.
         """

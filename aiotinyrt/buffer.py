@@ -229,6 +229,10 @@ class Buffer:
         self._handle = self.device_obj.allocator._offset(base._handle, self.nbytes, self.offset)
         return self._handle
 
+    def extent(self) -> int:
+        """Bytes a copy of this buffer may touch: its ``nbytes``."""
+        return self.nbytes
+
     def dependencies(self, timeline: Timeline, write: bool) -> list[Signal]:
         """Signals on other timelines that a new access on ``timeline`` must wait for."""
         start = self.offset
@@ -443,5 +447,8 @@ async def _submit_copy(dest: Buffer, src: Buffer) -> None:
 def enqueue_copy(dest: Buffer, src: Buffer) -> Signal | None:
     """Enqueue the copy of ``src`` into ``dest`` on ``dest``'s copy queue, ordered by the hazard
     rules, without waiting (for synchronous callers: tinygrad's transfers); its Signal, or None
-    when a capture recorded it (:func:`aiotinyrt.copies.submit_copy`)."""
+    when a capture recorded it (:func:`aiotinyrt.copies.submit_copy`). Raises ``ValueError``
+    for buffers of different sizes, before anything is enqueued."""
+    if src.nbytes != dest.nbytes:
+        raise ValueError(f"enqueue_copy size mismatch: {src.nbytes} bytes into {dest.nbytes} bytes")
     return copies.submit_copy(dest, src, dest.nbytes)

@@ -11,8 +11,9 @@ native command where the queue runs them, else its Python hook; one direct ``_tr
 copies staged through host memory), submits to the copy queue, and records the new access.
 While a task captures a graph, a transfer between Buffers is recorded into it instead.
 
-Copies of at most ``Allocator.inline_copy_bytes`` into idle host memory run on the calling thread
-(``Buffer.copyin``, ``copyin_nowait``): they submit nothing and do not come here.
+Copies of at most ``Allocator.inline_copy_bytes`` between idle device memory and host memory run
+on the calling thread (``Buffer.copyin``/``copyout``, ``copyin_nowait``/``copyout_nowait``): they
+submit nothing and do not come here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class CopyAllocator(Protocol):
     def _native_transfer(self, dest: Any, src: Any, nbytes: int) -> _NativeCall | None: ...
     def direct_from(self, src_device: Any) -> bool: ...
     def check_copyout(self) -> None: ...
+    def _size_of(self, opaque: Any) -> int | None: ...
 
 
 class CopyDevice(Protocol):
@@ -58,6 +60,10 @@ class Memory(Protocol):
     @property
     def device_obj(self) -> CopyDevice: ...
     def handle(self) -> Any: ...
+    def extent(self) -> int | None:
+        """Bytes a copy may touch (None: the allocator cannot tell)."""
+        ...
+
     def dependencies(self, timeline: Timeline, write: bool) -> list[Signal]: ...
     def record(self, sig: Signal, write: bool) -> None: ...
 
@@ -77,6 +83,11 @@ class Raw:
     def handle(self) -> Any:
         """The allocator handle."""
         return self._handle
+
+    def extent(self) -> int | None:
+        """The allocation's size where the allocator knows it."""
+        size: int | None = self.device_obj.allocator._size_of(self._handle)
+        return size
 
     def dependencies(self, timeline: Timeline, write: bool) -> list[Signal]:
         """The last command of every queue of the device, where not done yet."""
@@ -98,8 +109,13 @@ def submit_copy(dest: Memory | memoryview, src: Memory | memoryview, nbytes: int
     after the pending work it conflicts with, and return its Signal (None when a capture
     recorded it). Host memory is a flat byte memoryview already checked by
     :func:`~aiotinyrt.allocator.host_bytes`; the queue keeps it alive until the copy ran. Raises
-    ``DeviceError`` (a device closed), ``RuntimeError`` (the source cannot be copied out) or the
-    ends' own errors (``handle()`` of freed memory) before anything is submitted."""
+    ``DeviceError`` (a device closed), ``RuntimeError`` (the source cannot be copied out),
+    ``ValueError`` (``nbytes`` is not the host memory's size, or more than either end holds) or
+    the ends' own errors (``handle()`` of freed memory) before anything is submitted."""
+    for end in (dest, src):
+        size = end.nbytes if isinstance(end, memoryview) else end.extent()
+        if size is not None and (nbytes > size or (isinstance(end, memoryview) and nbytes != size)):
+            raise ValueError(f"a copy of {nbytes} bytes does not fit an end of {size} bytes")
     if isinstance(src, memoryview):
         assert not isinstance(dest, memoryview)
         return _host_copy(dest, src, True, ())

@@ -12,6 +12,7 @@ import pytest
 from aiotinyrt import Buffer, Device, copies, dtypes
 from aiotinyrt.buffer import enqueue_copy
 from aiotinyrt.driverqueue import DriverQueue
+from aiotinyrt.host.memory import _MEMMOVE
 from aiotinyrt.queue import HostQueue
 from tests.helpers import contents, int_array_buffer
 
@@ -73,7 +74,16 @@ def funnel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Funnel]:
 
         return submit
 
+    def watch_native(method: Callable[..., Any]) -> Callable[..., Any]:
+        def submit_native(self: object, fn: int, *args: Any, **kwargs: Any) -> Any:
+            if not seen.in_queue and fn == _MEMMOVE:  # (inside submit_either: counted there)
+                seen.submitted.append(("_memmove", seen.depth > 0))
+            return method(self, fn, *args, **kwargs)
+
+        return submit_native
+
     monkeypatch.setattr(copies, "submit_copy", counting)
+    monkeypatch.setattr(HostQueue, "submit_native", watch_native(HostQueue.submit_native))
     for kind in (HostQueue, DriverQueue):
         monkeypatch.setattr(kind, "submit", watch(kind.submit, 0))
         monkeypatch.setattr(kind, "submit_either", watch(kind.submit_either, 1))
@@ -140,6 +150,24 @@ async def test_raw_allocator_copies_pass_the_funnel(funnel: Funnel) -> None:
     await toy.allocator.free(t, nbytes)
 
 
+async def test_cpu_raw_copyout_and_a_staged_raw_transfer_out_of_cpu_pass_the_funnel(funnel: Funnel) -> None:
+    cpu, toy = Device["CPU"], Device["TOY"]
+    nbytes = BIG * 4
+    a = await cpu.allocator.alloc(nbytes)
+    t = await toy.allocator.alloc(nbytes)
+    await cpu.allocator.copyin(a, memoryview(np.full(BIG, 6, np.int32)).cast("B"))
+    out = np.zeros(BIG, np.int32)
+    await cpu.allocator.copyout(memoryview(out).cast("B"), a)  # native on CPU
+    assert out.tolist() == [6] * BIG
+    await toy.allocator.transfer(t, a, nbytes, cpu)  # staged: CPU's native copy-out, TOY's copy-in
+    await toy.allocator.copyout(memoryview(out).cast("B"), t)
+    assert out.tolist() == [6] * BIG
+    assert funnel.kinds == ["in", "out", "transfer", "out"]
+    assert funnel.outside() == []
+    await cpu.allocator.free(a, nbytes)
+    await toy.allocator.free(t, nbytes)
+
+
 async def test_copies_of_a_driver_run_device_pass_the_funnel(funnel: Funnel) -> None:
     fake = await Buffer("FAKE", BIG, dtypes.int32).allocate()
     await fake.copyin(np.full(BIG, 4, np.int32))  # (FAKE copies are never inline)
@@ -181,3 +209,33 @@ async def test_the_funnel_check_sees_a_copy_submitted_around_it(funnel: Funnel) 
     await sig
     assert funnel.outside() == ["_copyin"]
     Device["TOY"].allocator.free_nowait(handle, 16)
+
+
+@pytest.mark.parametrize("pair", [("CPU", "CPU:1"), ("CPU", "TOY"), ("TOY", "CPU")])
+@pytest.mark.parametrize("sizes", [(4, 1 << 20), (1 << 20, 4)])
+async def test_a_transfer_between_buffers_of_different_sizes_is_refused_before_it_is_queued(
+    pair: tuple[str, str], sizes: tuple[int, int]
+) -> None:
+    # direct (CPU -> CPU:1) and staged (through host memory) alike: no copy past either end
+    src = await Buffer(pair[0], sizes[0], dtypes.int32).allocate()
+    dest = await Buffer(pair[1], sizes[1], dtypes.int32).allocate()
+    queues = [Device[name]._copy_queue for name in pair]
+    before = [q.timeline.submitted for q in queues]
+    with pytest.raises(ValueError, match="size mismatch"):
+        enqueue_copy(dest, src)
+    with pytest.raises(ValueError, match="size mismatch"):  # a view smaller than the destination
+        enqueue_copy(dest, src.view(2, dtypes.int32, offset=4))
+    assert [q.timeline.submitted for q in queues] == before
+    for buf in (src, dest):
+        await buf.free()
+
+
+async def test_the_funnel_refuses_more_bytes_than_an_end_holds() -> None:
+    src = await Buffer("CPU", 4, dtypes.int32).allocate()
+    dest = await Buffer("TOY", 1 << 20, dtypes.int32).allocate()
+    with pytest.raises(ValueError, match="does not fit an end of 16 bytes"):
+        copies.submit_copy(dest, src, dest.nbytes)
+    with pytest.raises(ValueError, match="does not fit an end of 16 bytes"):
+        copies.submit_copy(memoryview(bytearray(32)), src, 32)
+    for buf in (src, dest):
+        await buf.free()
