@@ -27,10 +27,19 @@ every command completing after it fails with that error until ``reset()``; a com
 dependency failed is not run; commands submitted while the device holds its error are not handed
 to the driver. Closing fails the held-back commands; those the driver has complete normally.
 
+Batches. A driver that learns of several completions at once (one wait that covers many events
+of its in-order queue) reports them with one :func:`report`: their results are stored under one
+lock and the timeline advanced once. Completing takes every result that is in, in value order,
+in one pass, and each command's outcome is decided in order, as one at a time would: a failed
+command in the middle of a batch fails its own Signal, those before it stay successful, and those
+after it fail with the device's sticky error.
+
 Locks: ``_submit_lock`` orders value assignment and hand-over (so the driver sees commands in
 value order); completions take only ``_done_lock``, never while calling out, and one thread at a
 time advances the timeline with no lock held, so callbacks that submit to other queues cannot
-deadlock against this one.
+deadlock against this one. A command's event is stored without a lock: completion marks the
+command taken before it drops the event, and the hand-over drops an event whose command was
+taken meanwhile, so none outlives its command.
 """
 
 from __future__ import annotations
@@ -48,8 +57,36 @@ from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, w
 
 _log = get_logger("queue")
 
-#: ``done(seconds, error)``: the driver's report that a command completed (error None: it ran).
-Done = Callable[[float, BaseException | None], None]
+
+class Done:
+    """The driver's report that one command completed: ``done(seconds, error)`` (error None: it
+    ran), exactly once, from any thread. A driver that learns of several completions at once
+    hands them in together with :func:`report`."""
+
+    __slots__ = ("queue", "start", "value")
+
+    def __init__(self, queue: DriverQueue, value: int, start: float) -> None:
+        self.queue, self.value, self.start = queue, value, start
+
+    def __repr__(self) -> str:
+        return f"<Done {self.queue.timeline.label}@{self.value}>"
+
+    def __call__(self, seconds: float, error: BaseException | None) -> None:
+        self.queue._report(((self, seconds, error),))
+
+
+def report(batch: Sequence[tuple[Done, float, BaseException | None]]) -> None:
+    """Report several completions at once, each ``(done, seconds, error)`` exactly as calling
+    ``done(seconds, error)``: the results of one queue are stored under one lock and its timeline
+    advanced once for them all (one wait for many events of an in-order queue costs one pass)."""
+    start, n = 0, len(batch)
+    while start < n:
+        queue = batch[start][0].queue
+        end = start + 1
+        while end < n and batch[end][0].queue is queue:
+            end += 1
+        queue._report(batch[start:end] if start or end < n else batch)
+        start = end
 
 
 class Driver(Protocol):
@@ -64,6 +101,10 @@ class Driver(Protocol):
         exactly once, from any thread, when the command completed or failed; may raise (the
         command then fails at once). Must not block on the completion of other work."""
         ...
+
+
+def _pending(sig: Signal) -> bool:
+    return sig.timeline.completed < sig.value
 
 
 #: Driver-run queues by their timeline's id, so a dependency can find the queue (and the event)
@@ -102,7 +143,8 @@ class DriverQueue:
         self._again = False
         self._unrun: set[int] = set()  # results of commands never handed to the driver
         self._taken = 0  # the last value whose result completion took
-        self._local = threading.local()  # .enqueuing: inside driver.enqueue on this thread
+        self._enqueuing = 0  # the thread inside driver.enqueue (its ident), 0: none
+        self._inline = False  # a hand-over completed a command: the submitter advances
         _BY_TIMELINE[id(self.timeline)] = self
 
     def __repr__(self) -> str:
@@ -134,7 +176,8 @@ class DriverQueue:
                     self._held.append(sig)
         if pending:
             when_all_done(pending, self._flush, after=True)
-        elif self._results:  # completed here (not run, or reported inside enqueue)
+        elif self._inline:  # completed here (not run, or reported inside enqueue)
+            self._inline = False
             self._advance()
         return sig
 
@@ -193,22 +236,18 @@ class DriverQueue:
         value = sig.value
         fn = sig._fn
         assert fn is not None
-        start = time.perf_counter()
-
-        def done(seconds: float, error: BaseException | None) -> None:
-            self._report(value, seconds, error, start)
-
-        self._local.enqueuing = True
+        done = Done(self, value, 0.0 if self.profile is None else time.perf_counter())
+        outer, self._enqueuing = self._enqueuing, threading.get_ident()
         try:
             event = self.driver.enqueue(fn, sig._args, waits, done)
         except BaseException as exc:  # the command fails; the queue goes on
-            self._report(value, 0.0, exc, start)
+            self._report(((done, 0.0, exc),))
         else:
-            with self._done_lock:  # (a command already completed keeps no event: none leaks)
-                if value > self._taken and value not in self._results:
-                    self._events[value] = event
+            self._events[value] = event
+            if self._taken >= value:  # completed meanwhile: keep no event (completion sets
+                self._events.pop(value, None)  # ``_taken`` before it drops the event)
         finally:
-            self._local.enqueuing = False
+            self._enqueuing = outer
         return []
 
     def _flush(self) -> None:
@@ -228,19 +267,27 @@ class DriverQueue:
         with self._done_lock:
             self._results[sig.value] = (0.0, error)
             self._unrun.add(sig.value)
+        self._inline = True
 
     # ---- completion -------------------------------------------------------------------------------
-    def _report(self, value: int, seconds: float, error: BaseException | None, start: float) -> None:
-        """The driver's ``done``: any thread, possibly inside ``enqueue`` itself."""
-        if self.profile is not None:
-            sig = self._commands.get(value)
-            if sig is not None:
-                self.profile.record(
-                    sig._fn, sig._args, sig._keep, sig._deps or (), None, start, seconds, value
-                )
+    def _report(self, batch: Sequence[tuple[Done, float, BaseException | None]]) -> None:
+        """The driver's reports (``Done`` and :func:`report`) of commands of this queue: any
+        thread, possibly inside ``enqueue`` itself (the submitter advances then)."""
+        profile = self.profile
+        if profile is not None:
+            for done, seconds, _ in batch:
+                sig = self._commands.get(done.value)
+                if sig is not None:
+                    profile.record(
+                        sig._fn, sig._args, sig._keep, sig._deps or (), None, done.start, seconds, done.value
+                    )
         with self._done_lock:
-            self._results[value] = (seconds, error)
-        if not getattr(self._local, "enqueuing", False):
+            results = self._results
+            for done, seconds, error in batch:
+                results[done.value] = (seconds, error)
+        if self._enqueuing == threading.get_ident():
+            self._inline = True
+        else:
             self._advance()
 
     def _advance(self) -> None:
@@ -269,48 +316,64 @@ class DriverQueue:
 
     def _advance_locked_out(self) -> bool:
         """The body of :meth:`_advance`; True when it stopped at a command whose dependencies
-        have not completed yet (a waiter calls ``_advance`` again then)."""
+        have not completed yet (a waiter calls ``_advance`` again then). Takes every result
+        that is in, in value order, under one lock, and advances the timeline once for them."""
         timeline, device = self.timeline, self.device
         debug = debug_level()
+        results, commands, events, unrun = self._results, self._commands, self._events, self._unrun
         while True:
+            taken: list[tuple[Signal, float, BaseException | None, bool]] = []
+            late: list[Signal] = []
             with self._done_lock:
                 value = timeline.completed + 1
-                if value not in self._results:
-                    return False
-                sig = self._commands[value]
-                # a dependency in the wait list counts once its own queue completed it: a
-                # driver's callbacks may report a dependent before its dependency
-                ran = value not in self._unrun
-                late = [d for d in sig._deps if d.timeline is not timeline and d.timeline.completed < d.value]
-                if late and ran:
-                    break
-                self._unrun.discard(value)
-                seconds, error = self._results.pop(value)
-                del self._commands[value]
-                self._events.pop(value, None)
-                self._taken = value
-            if error is None and ran:
-                for dep in sig._deps:
-                    dep_error = dep.error()
-                    if dep_error is not None:  # (in the wait list, or earlier on this queue)
-                        error = dependency_failed(device.name, dep.timeline.label, dep.value, dep_error)
-                        break
-            if error is not None and not isinstance(error, DeviceError):
-                error = device._fail(error, sig)
-            elif error is None and device._error is not None:
-                error = device._error  # completed after the device's failure: failed with it
-            sig._elapsed = seconds
-            sig._error = error
-            if error is not None:
-                timeline._record_failure(value, value, error)
-            if debug >= 2:
-                _log.debug(
-                    "%s@%d: %s %s", timeline.label, value, describe(sig._fn, sig._keep), fmt_time(seconds)
-                )
-            sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
-            timeline.advance(value)
-        when_all_done(late, self._advance, after=True)
-        return True
+                while value in results:
+                    sig = commands[value]
+                    # a dependency in the wait list counts once its own queue completed it: a
+                    # driver's callbacks may report a dependent before its dependency
+                    ran = value not in unrun
+                    if not ran:
+                        unrun.discard(value)
+                    elif sig._deps:
+                        late = [d for d in sig._deps if d.timeline is not timeline and _pending(d)]
+                        if late:
+                            break
+                    seconds, error = results.pop(value)
+                    del commands[value]
+                    self._taken = value  # (before the event goes: see _hand_over)
+                    events.pop(value, None)
+                    taken.append((sig, seconds, error, ran))
+                    value += 1
+            for sig, seconds, error, ran in taken:
+                if error is None and ran:
+                    for dep in sig._deps:
+                        dep_error = dep.error()
+                        if dep_error is not None:  # (in the wait list, or earlier on this queue)
+                            error = dependency_failed(device.name, dep.timeline.label, dep.value, dep_error)
+                            break
+                if error is not None and not isinstance(error, DeviceError):
+                    error = device._fail(error, sig)
+                elif error is None and device._error is not None:
+                    error = device._error  # completed after the device's failure: failed with it
+                sig._elapsed = seconds
+                sig._error = error
+                if error is not None:
+                    timeline._record_failure(sig.value, sig.value, error)
+                if debug >= 2:
+                    _log.debug(
+                        "%s@%d: %s %s",
+                        timeline.label,
+                        sig.value,
+                        describe(sig._fn, sig._keep),
+                        fmt_time(seconds),
+                    )
+                sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
+            if taken:
+                timeline.advance(taken[-1][0].value)
+            if late:
+                when_all_done(late, self._advance, after=True)
+                return True
+            if not taken:
+                return False
 
     # ---- state ------------------------------------------------------------------------------------
     def queued(self) -> int:

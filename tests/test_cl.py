@@ -14,7 +14,9 @@ import pytest
 
 from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices
 from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends import ops_cl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
+from aiotinyrt.driverqueue import Done
 from tests.helpers import CASES, Case, run_cpu
 
 pytestmark = pytest.mark.anyio
@@ -115,6 +117,21 @@ async def test_the_binary_is_cached_under_the_device_and_driver_version() -> Non
     assert dev.compiler.compiles == compiles + 1
 
 
+async def test_builds_run_in_a_compile_server_and_one_that_exited_is_replaced() -> None:
+    dev = Device["CL:3"]
+    assert isinstance(dev, CLDevice)
+    pool = dev.compiler.servers
+    src = f"// {os.urandom(8).hex()}\n" + INC
+    lib = await dev.compiler.compile(src)
+    assert ocl.load(dev.context, dev.device_ids, lib, "inc")[1] != ffi.NULL
+    (server,) = pool._idle  # the build ran in it, a process of its own
+    assert server.proc.pid != os.getpid() and server.proc.poll() is None
+    server.proc.kill()
+    server.proc.wait()
+    assert await dev.compiler.compile(src.replace("//", "// again")) != b""  # on a fresh server
+    assert len(pool._idle) == 1 and pool._idle[0] is not server
+
+
 async def test_an_opencl_error_code_is_a_sticky_device_error_naming_the_code_and_the_call() -> None:
     dev = Device["CL"]
     prog = await dev.program("inc", INC)
@@ -155,6 +172,53 @@ async def test_a_failed_event_fails_its_signal_and_the_device_until_reset() -> N
     await prog(out)
     assert (await out.numpy())[0] == 1
     cl.clReleaseEvent(user)
+    await out.free()
+
+
+def _user_event_command(event: object) -> object:
+    cl = ocl.lib()
+
+    @cl_command
+    def the_user_event(queue: object, n: int, wl: object) -> object:
+        cl.clRetainEvent(event)  # (the driver releases the command's event)
+        return event
+
+    return the_user_event
+
+
+async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_later_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dev = Device["CL"]
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    gate, failing = cl.clCreateUserEvent(dev.context, err), cl.clCreateUserEvent(dev.context, err)
+    sizes: list[int] = []
+    real = ops_cl.report
+    queue = dev._compute_queue
+
+    def spy(batch: list[tuple[Done, float, BaseException | None]]) -> None:
+        if batch[0][0].queue is queue:
+            sizes.append(len(batch))
+        real(batch)
+
+    monkeypatch.setattr(ops_cl, "report", spy)
+    first = queue.submit(_user_event_command(gate), ())  # holds the waiter: the rest is one batch
+    before, failed, after = prog(out), queue.submit(_user_event_command(failing), ()), prog(out)
+    kernels = ffi.new("cl_event[2]", [queue._events[before.value], queue._events[after.value]])
+    assert cl.clWaitForEvents(2, kernels) == 0  # (they need not wait for the user events)
+    cl.clSetUserEventStatus(failing, -5)
+    cl.clSetUserEventStatus(gate, ocl.COMPLETE)
+    with pytest.raises(DeviceError, match=r"execution status\) failed: CL_OUT_OF_RESOURCES"):
+        await after  # (completed after the failure: the device's sticky error)
+    assert sizes == [4]
+    assert first.error() is None and before.error() is None
+    assert failed.error() is dev._error and after.error() is dev._error
+    await dev.reset()
+    for event in (gate, failing):
+        cl.clReleaseEvent(event)
     await out.free()
 
 

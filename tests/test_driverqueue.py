@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from aiotinyrt import DeviceError, Signal
-from aiotinyrt.driverqueue import Done, DriverQueue
+from aiotinyrt.driverqueue import Done, DriverQueue, report
 
 
 class Owner:
@@ -156,3 +156,30 @@ def test_closing_fails_held_back_commands_and_refuses_new_ones() -> None:
     assert held.failed()
     with pytest.raises(DeviceError, match="closed"):
         queue.submit(nothing, ())
+
+
+def test_a_batch_report_fails_exactly_the_failed_command_and_the_later_ones() -> None:
+    owner, driver = Owner(), Manual()
+    queue = DriverQueue(owner, "compute", driver)
+    sigs = [queue.submit(nothing, ()) for _ in range(4)]
+    boom = ValueError("boom")
+    report([(d, 0.5, boom if i == 1 else None) for i, (_, _, _, d) in enumerate(driver.commands)])
+    assert queue.timeline.completed == 4
+    assert sigs[0].error() is None and sigs[0].result() == 0.5
+    assert isinstance(sigs[1].error(), DeviceError) and sigs[1].error().__cause__ is boom  # type: ignore[union-attr]
+    assert sigs[2].error() is owner._error and sigs[3].error() is owner._error  # sticky
+
+
+def test_a_batch_reported_out_of_order_over_two_queues_completes_each_in_order() -> None:
+    owner, context = Owner(), object()
+    first, second = Manual(), Manual()
+    q1 = DriverQueue(owner, "compute", first, context=context)
+    q2 = DriverQueue(owner, "copy", second, context=context)
+    a = [q1.submit(nothing, ()) for _ in range(3)]
+    b = q2.submit(nothing, (), (a[2],))
+    done = [c[3] for c in first.commands]
+    report([(second.commands[0][3], 0.0, None), (done[2], 0.0, None), (done[1], 0.0, None)])
+    assert q1.timeline.completed == 0 and not b.done(), "completed before what it waits for"
+    report([(done[0], 0.0, None)])
+    assert q1.timeline.completed == 3 and b.done() and b.error() is None
+    assert q1._events == {} and q2._events == {}

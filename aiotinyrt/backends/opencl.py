@@ -144,6 +144,15 @@ def info_str(getter: Any, obj: Any, param: int) -> str:
     return str(ffi.string(out).decode(errors="replace"))
 
 
+def versions(platform: Any, device: Any) -> tuple[str, str, str, str]:
+    """The platform's version, the device's name, its driver's version and its own version."""
+    cl = lib()
+    name, driver, version = (
+        info_str(cl.clGetDeviceInfo, device, p) for p in (DEVICE_NAME, DRIVER_VERSION, DEVICE_VERSION)
+    )
+    return info_str(cl.clGetPlatformInfo, platform, PLATFORM_VERSION), name, driver, version
+
+
 def devices() -> list[tuple[Any, Any]]:
     """Every ``(platform, device)``, platforms in the loader's order and each one's devices in
     order: ``CL`` is the first, ``CL:1`` the second. Raises ``RuntimeError`` naming what is
@@ -173,3 +182,81 @@ def devices() -> list[tuple[Any, Any]]:
             raise RuntimeError(f"CL: no OpenCL device on the platforms found ({names})")
         _devices = found
     return _devices
+
+
+def create_context(device_ids: Any) -> Any:
+    """A context over ``device_ids`` (a ``cl_device_id[1]``), released when dropped."""
+    cl, err = lib(), ffi.new("cl_int*")
+    context = cl.clCreateContext(ffi.NULL, 1, device_ids, ffi.NULL, ffi.NULL, err)
+    check(err[0], "clCreateContext")
+    return ffi.gc(context, cl.clReleaseContext)
+
+
+def sub_buffer(mem: Any, offset: int, nbytes: int) -> Any:
+    """The ``nbytes`` of ``mem`` from ``offset`` as a sub-buffer, released when dropped."""
+    cl, err = lib(), ffi.new("cl_int*")
+    region = ffi.new("cl_buffer_region*", (offset, nbytes))
+    sub = cl.clCreateSubBuffer(mem, MEM_READ_WRITE, BUFFER_CREATE_TYPE_REGION, region, err)
+    check(err[0], f"clCreateSubBuffer (a view at offset {offset})")
+    return ffi.gc(sub, cl.clReleaseMemObject)
+
+
+class BuildError(CLError):
+    """``clBuildProgram`` failed; ``log`` is the build log."""
+
+    def __init__(self, code: int, log: str) -> None:
+        super().__init__("clBuildProgram", code)
+        self.log = log
+
+
+def build(context: Any, device_ids: Any, src: str) -> bytes:
+    """Build OpenCL C ``src`` for the device of ``device_ids`` (blocking, GIL released) and
+    return its binary (``CL_PROGRAM_BINARIES``); :class:`BuildError` with the log on failure."""
+    cl, err = lib(), ffi.new("cl_int*")
+    text = ffi.new("char[]", src.encode())
+    prog = cl.clCreateProgramWithSource(context, 1, ffi.new("char*[1]", [text]), ffi.NULL, err)
+    check(err[0], "clCreateProgramWithSource")
+    prog = ffi.gc(prog, cl.clReleaseProgram)
+    code = cl.clBuildProgram(prog, 1, device_ids, ffi.NULL, ffi.NULL, ffi.NULL)
+    if code != 0:
+
+        def log_info(p: Any, what: int, n: int, out: Any, size: Any) -> int:
+            return int(cl.clGetProgramBuildInfo(p, device_ids[0], what, n, out, size))
+
+        raise BuildError(code, info_str(log_info, prog, PROGRAM_BUILD_LOG))
+    size = ffi.new("size_t*")
+    check(cl.clGetProgramInfo(prog, PROGRAM_BINARY_SIZES, 8, size, ffi.NULL), "clGetProgramInfo")
+    binary = ffi.new("unsigned char[]", size[0])
+    binaries = ffi.new("unsigned char*[1]", [binary])
+    check(cl.clGetProgramInfo(prog, PROGRAM_BINARIES, 8, binaries, ffi.NULL), "clGetProgramInfo")
+    return bytes(ffi.buffer(binary, size[0]))
+
+
+def load(context: Any, device_ids: Any, binary: bytes, name: str) -> tuple[Any, Any]:
+    """``(program, kernel)`` of kernel ``name`` in a device ``binary``, released when dropped."""
+    cl, err = lib(), ffi.new("cl_int*")
+    data = ffi.from_buffer("unsigned char[]", binary)
+    sizes = ffi.new("size_t[1]", [len(binary)])
+    prog = cl.clCreateProgramWithBinary(
+        context, 1, device_ids, sizes, ffi.new("unsigned char*[1]", [data]), ffi.NULL, err
+    )
+    check(err[0], "clCreateProgramWithBinary")
+    prog = ffi.gc(prog, cl.clReleaseProgram)
+    check(cl.clBuildProgram(prog, 1, device_ids, ffi.NULL, ffi.NULL, ffi.NULL), "clBuildProgram (binary)")
+    kernel = cl.clCreateKernel(prog, name.encode(), err)
+    check(err[0], f"clCreateKernel({name!r})")
+    return prog, ffi.gc(kernel, cl.clReleaseKernel)
+
+
+def outcome(event: Any, status: int, times: Any) -> tuple[float, BaseException | None]:
+    """The device seconds (profiling) and the error of a completed ``event`` whose execution
+    status (or the error code of reading it) is ``status``; ``times`` is a ``cl_ulong[2]``."""
+    if status < 0:
+        return 0.0, CLError("a command's event (execution status)", status)
+    cl = lib()
+    if (
+        cl.clGetEventProfilingInfo(event, PROFILING_COMMAND_START, 8, times, ffi.NULL) == 0
+        and cl.clGetEventProfilingInfo(event, PROFILING_COMMAND_END, 8, times + 1, ffi.NULL) == 0
+    ):
+        return max(0, times[1] - times[0]) * 1e-9, None
+    return 0.0, None  # (a marker or a user event has no profiling information)

@@ -3,8 +3,9 @@
 ``CL``, ``CL:1``, ... are the devices of every platform, in the ICD loader's order. Queues are
 driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`): each is one in-order
 ``cl_command_queue``; a command is enqueued from the submitting thread with the events it waits
-for as its wait list, and one waiter thread per queue calls ``clWaitForEvents`` on each event in
-order and reports it (docs/architecture.md: measured against ``clSetEventCallback``). Copies are
+for as its wait list, and one waiter thread per queue waits for the oldest event it was handed
+and reports it together with every later one that completed too, in one batch
+(docs/architecture.md: measured against ``clSetEventCallback``). Copies are
 non-blocking ``clEnqueueRead/WriteBuffer`` whose host memory the queue keeps alive until their
 event completed. A Python command (not an OpenCL one) runs on the waiter thread once a marker
 after its wait list completed, and a user event holds the queue's later commands until it
@@ -16,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,10 +25,11 @@ import anyio.to_thread
 
 from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.cl_build import BuildPool
 from aiotinyrt.backends.opencl import CLError, check, ffi
 from aiotinyrt.compiler import CompileError, Compiler
 from aiotinyrt.device import Compiled
-from aiotinyrt.driverqueue import Done, DriverQueue
+from aiotinyrt.driverqueue import Done, DriverQueue, report
 from aiotinyrt.graph import _join, _run_calls
 from aiotinyrt.kernel import OpenCLRenderer
 from aiotinyrt.program import Program
@@ -43,18 +46,9 @@ def cl_command(fn: Command) -> Command:
     return fn
 
 
-def _finished(event: Any, times: Any, status: Any) -> tuple[float, BaseException | None]:
-    """The device seconds (profiling) and the error of a completed ``event``."""
-    cl = ocl.lib()
-    code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
-    if code != 0 or status[0] < 0:
-        return 0.0, CLError("a command's event (execution status)", status[0] if code == 0 else code)
-    if (
-        cl.clGetEventProfilingInfo(event, ocl.PROFILING_COMMAND_START, 8, times, NULL) == 0
-        and cl.clGetEventProfilingInfo(event, ocl.PROFILING_COMMAND_END, 8, times + 1, NULL) == 0
-    ):
-        return max(0, times[1] - times[0]) * 1e-9, None
-    return 0.0, None  # (a marker or a user event has no profiling information)
+#: What the waiter thread is handed per command: its event, its ``done``, and for a Python
+#: command the function that runs it (None for an OpenCL command).
+Item = tuple[Any, Done, Callable[[float, BaseException | None], tuple[float, BaseException | None]] | None]
 
 
 class CLQueue:
@@ -66,20 +60,38 @@ class CLQueue:
         q = cl.clCreateCommandQueue(device.context, device.device_id, ocl.QUEUE_PROFILING_ENABLE, err)
         check(err[0], "clCreateCommandQueue")
         self.queue = ffi.gc(q, cl.clReleaseCommandQueue)
-        self._events: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._waiter = threading.Thread(target=self._wait, name=f"cl-waiter-{device.name}", daemon=True)
         self._waiter.start()
 
     def _wait(self) -> None:
-        """The waiter thread: waits for each event in order (GIL released), then reports it."""
-        cl, one, times, status = ocl.lib(), ffi.new("cl_event[1]"), ffi.new("cl_ulong[2]"), ffi.new("cl_int*")
-        while (item := self._events.get()) is not None:
-            event, done = item
-            one[0] = event
-            cl.clWaitForEvents(1, one)  # (an error here is the event's: its status tells)
-            seconds, error = _finished(event, times, status)
-            del event, item
-            done(seconds, error)
+        """The waiter thread: waits for the oldest event handed to it (GIL released), then takes
+        every later one that has completed too (in-order queue: a prefix) and reports them all at
+        once. A Python command ends a batch: the commands after it wait for it to return."""
+        cl, items, times, status = ocl.lib(), self._events, ffi.new("cl_ulong[2]"), ffi.new("cl_int*")
+        pending: deque[Item | None] = deque()
+        while True:
+            if not pending:
+                pending.append(items.get())
+            pending.extend(items.get_nowait() for _ in range(items.qsize()))
+            if (item := pending[0]) is None:
+                return  # closed
+            cl.clWaitForEvents(1, ffi.new("cl_event[1]", [item[0]]))  # (its status tells errors)
+            pending.extend(items.get_nowait() for _ in range(items.qsize()))
+            batch = []
+            while (item := pending[0] if pending else None) is not None:
+                event, done, run = item
+                code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
+                if code == 0 and status[0] > 0:
+                    break  # not completed yet: the next batch starts with it
+                pending.popleft()
+                seconds, error = ocl.outcome(event, code or status[0], times)
+                if run is not None:  # a Python command: it runs now, later commands wait for it
+                    batch.append((done, *run(seconds, error)))
+                    break
+                batch.append((done, seconds, error))
+            del item, event  # (the events go before the commands complete)
+            report(batch)
 
     def close(self) -> None:
         """Stop the waiter thread after the events handed to it."""
@@ -89,7 +101,6 @@ class CLQueue:
         """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
         cl, n = ocl.lib(), len(waits)
         wl = ffi.new("cl_event[]", list(waits)) if n else NULL
-        ev = ffi.new("cl_event*")
         if getattr(fn, "cl_command", False):
             event = fn(self.queue, n, wl, *args)
         elif fn is _run_calls and all(getattr(f, "cl_command", False) for f, _ in args[0]):
@@ -99,12 +110,13 @@ class CLQueue:
                     cl.clReleaseEvent(event)
                 event, n, wl = f(self.queue, n, wl, *a), 0, NULL
         elif fn is _join:
+            ev = ffi.new("cl_event*")
             check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, ev), "clEnqueueMarkerWithWaitList")
             event = ev[0]
         else:
             return self._host(fn, args, n, wl, done)
         event = ffi.gc(event, cl.clReleaseEvent)
-        self._events.put((event, done))
+        self._events.put((event, done, None))
         return event
 
     def _host(self, fn: Command, args: tuple[Any, ...], n: int, wl: Any, done: Done) -> Any:
@@ -119,7 +131,7 @@ class CLQueue:
         blocked = ffi.new("cl_event[1]", [user])
         check(cl.clEnqueueBarrierWithWaitList(self.queue, 1, blocked, NULL), "clEnqueueBarrierWithWaitList")
 
-        def run(_: float, error: BaseException | None) -> None:
+        def run(_: float, error: BaseException | None) -> tuple[float, BaseException | None]:
             start = time.perf_counter()
             if error is None:
                 try:
@@ -127,9 +139,9 @@ class CLQueue:
                 except BaseException as exc:  # the command fails; the device becomes sticky
                     error = exc
             cl.clSetUserEventStatus(user, ocl.COMPLETE)
-            done(time.perf_counter() - start, error)
+            return time.perf_counter() - start, error
 
-        self._events.put((marker_event, run))
+        self._events.put((marker_event, done, run))
         return user
 
 
@@ -145,13 +157,7 @@ class CLMemory:
     def kernel_arg(self) -> Any:
         """A ``cl_mem*`` for clSetKernelArg: the buffer, or a sub-buffer for a view."""
         if self.arg is None:
-            cl, err = ocl.lib(), ffi.new("cl_int*")
-            region = ffi.new("cl_buffer_region*", (self.offset, self.nbytes))
-            sub = cl.clCreateSubBuffer(
-                self.mem, ocl.MEM_READ_WRITE, ocl.BUFFER_CREATE_TYPE_REGION, region, err
-            )
-            check(err[0], f"clCreateSubBuffer (a view at offset {self.offset})")
-            self.arg = ffi.new("cl_mem*", ffi.gc(sub, cl.clReleaseMemObject))
+            self.arg = ffi.new("cl_mem*", ocl.sub_buffer(self.mem, self.offset, self.nbytes))
         return self.arg
 
 
@@ -217,11 +223,13 @@ class CLAllocator(LRUAllocator[CLMemory]):
 
 
 class CLCompiler(Compiler):
-    """``clBuildProgram`` to the device's binary (``CL_PROGRAM_BINARIES``), on a worker thread."""
+    """``clBuildProgram`` to the device's binary (``CL_PROGRAM_BINARIES``), in compile-server
+    processes (:mod:`aiotinyrt.backends.cl_build`: PoCL's builds take turns within a process)."""
 
     def __init__(self, device: CLDevice) -> None:
         super().__init__("compile_cl")
         self.device = device
+        self.servers = BuildPool(device.index)
 
     async def identity(self) -> str:
         """Platform, device and driver version: the binary is the driver's, for this device."""
@@ -229,30 +237,19 @@ class CLCompiler(Compiler):
         return f"cl {d.platform_version} | {d.device_name} | {d.driver_version} | {d.device_version}"
 
     async def compile(self, src: str) -> bytes:
-        """Build ``src`` off the loop. Cancellation: abandons the build (it finishes unobserved)."""
-        return await anyio.to_thread.run_sync(self.build, src, abandon_on_cancel=True)
+        """Build ``src`` in a compile server (a worker thread waits for its reply).
+        Cancellation: abandons the build (the server finishes it unobserved)."""
+        return await anyio.to_thread.run_sync(self._build, self.servers.build, src, abandon_on_cancel=True)
 
     def build(self, src: str) -> bytes:
-        """Build ``src`` (blocking) and return the device binary; ``CompileError`` with the log."""
-        cl, err, dev = ocl.lib(), ffi.new("cl_int*"), self.device
-        text = ffi.new("char[]", src.encode())
-        prog = cl.clCreateProgramWithSource(dev.context, 1, ffi.new("char*[1]", [text]), NULL, err)
-        check(err[0], "clCreateProgramWithSource")
-        prog = ffi.gc(prog, cl.clReleaseProgram)
-        code = cl.clBuildProgram(prog, 1, dev.device_ids, NULL, NULL, NULL)
-        if code != 0:
-            log = ocl.info_str(
-                lambda p, what, n, out, size: cl.clGetProgramBuildInfo(p, dev.device_id, what, n, out, size),
-                prog,
-                ocl.PROGRAM_BUILD_LOG,
-            )
-            raise CompileError(f"{dev.name}: {CLError('clBuildProgram', code)}", diagnostics=log, src=src)
-        size = ffi.new("size_t*")
-        check(cl.clGetProgramInfo(prog, ocl.PROGRAM_BINARY_SIZES, 8, size, NULL), "clGetProgramInfo")
-        binary = ffi.new("unsigned char[]", size[0])
-        binaries = ffi.new("unsigned char*[1]", [binary])
-        check(cl.clGetProgramInfo(prog, ocl.PROGRAM_BINARIES, 8, binaries, NULL), "clGetProgramInfo")
-        return bytes(ffi.buffer(binary, size[0]))
+        """Build ``src`` in this process (blocking); ``CompileError`` with the build log."""
+        return self._build(lambda s: ocl.build(self.device.context, self.device.device_ids, s), src)
+
+    def _build(self, build: Callable[[str], bytes], src: str) -> bytes:
+        try:
+            return build(src)
+        except ocl.BuildError as exc:
+            raise CompileError(f"{self.device.name}: {exc}", diagnostics=exc.log, src=src) from None
 
 
 class CLProgram(Program):
@@ -261,19 +258,9 @@ class CLProgram(Program):
 
     def __init__(self, device: CLDevice, name: str, lib: bytes, **kwargs: Any) -> None:
         super().__init__(device, name, lib, **kwargs)
-        cl, err = ocl.lib(), ffi.new("cl_int*")
-        binary = ffi.from_buffer("unsigned char[]", self.lib)
-        sizes = ffi.new("size_t[1]", [len(self.lib)])
-        prog = cl.clCreateProgramWithBinary(
-            device.context, 1, device.device_ids, sizes, ffi.new("unsigned char*[1]", [binary]), NULL, err
-        )
-        check(err[0], "clCreateProgramWithBinary")
-        self._prog = ffi.gc(prog, cl.clReleaseProgram)
-        check(cl.clBuildProgram(prog, 1, device.device_ids, NULL, NULL, NULL), "clBuildProgram (binary)")
-        kernel = cl.clCreateKernel(prog, name.encode(), err)
-        check(err[0], f"clCreateKernel({name!r})")
-        self._kernel = ffi.gc(kernel, cl.clReleaseKernel)
+        self._prog, self._kernel = ocl.load(device.context, device.device_ids, self.lib, name)
         self._lock = threading.Lock()  # a cl_kernel's arguments are state: one launch at a time
+        self._ev = ffi.new("cl_event*")  # (the launch's event, read under the lock)
         self._args: tuple[Any, ...] | None = None  # the arguments set last
         self._sizes: dict[tuple[int, ...], Any] = {}
 
@@ -295,7 +282,7 @@ class CLProgram(Program):
     def _enqueue(
         self, queue: Any, n: int, wl: Any, gsz: Any, lsz: Any, vals: tuple[int, ...], *bufs: CLMemory
     ) -> Any:
-        cl, ev, kernel = ocl.lib(), ffi.new("cl_event*"), self._kernel
+        cl, ev, kernel = ocl.lib(), self._ev, self._kernel
         with self._lock:
             if self._args != (vals, bufs):
                 for i, buf in enumerate(bufs):
@@ -312,27 +299,23 @@ class CLProgram(Program):
             if code != 0:
                 self._args = None
                 raise CLError(f"clEnqueueNDRangeKernel({self.name})", code)
-        return ev[0]
+            return ev[0]
 
 
 class CLDevice(Compiled):
     """One OpenCL device: its own context, two in-order queues (compute, copy)."""
 
     def __init__(self, name: str) -> None:
-        index = int(name.partition(":")[2] or 0)
+        self.index = index = int(name.partition(":")[2] or 0)
         found = ocl.devices()
         if index >= len(found):
             raise RuntimeError(f"{name}: no OpenCL device {index}; this machine has {len(found)}")
-        cl, err = ocl.lib(), ffi.new("cl_int*")
         self.platform, self.device_id = found[index]
         self.device_ids = ffi.new("cl_device_id[1]", [self.device_id])
-        self.platform_version = ocl.info_str(cl.clGetPlatformInfo, self.platform, ocl.PLATFORM_VERSION)
-        self.device_name = ocl.info_str(cl.clGetDeviceInfo, self.device_id, ocl.DEVICE_NAME)
-        self.driver_version = ocl.info_str(cl.clGetDeviceInfo, self.device_id, ocl.DRIVER_VERSION)
-        self.device_version = ocl.info_str(cl.clGetDeviceInfo, self.device_id, ocl.DEVICE_VERSION)
-        context = cl.clCreateContext(NULL, 1, self.device_ids, NULL, NULL, err)
-        check(err[0], "clCreateContext")
-        self.context = ffi.gc(context, cl.clReleaseContext)
+        self.platform_version, self.device_name, self.driver_version, self.device_version = ocl.versions(
+            self.platform, self.device_id
+        )
+        self.context = ocl.create_context(self.device_ids)
         super().__init__(name, CLAllocator(self), CLCompiler(self), CLProgram, OpenCLRenderer())
 
     def _make_queue(self, name: str) -> Queue:
@@ -341,6 +324,7 @@ class CLDevice(Compiled):
     def _on_close(self) -> None:
         for q in self.queues.values():
             q.driver.close()  # type: ignore[attr-defined]
+        self.compiler.servers.close()  # type: ignore[attr-defined]
 
     def count(self) -> int:
         """OpenCL devices on this machine, over every platform."""
