@@ -1,24 +1,19 @@
 """CL: OpenCL devices (PoCL here) through the cffi binding in :mod:`aiotinyrt.backends.opencl`.
 
 ``CL``, ``CL:1``, ... are the devices of every platform, in the ICD loader's order. Queues are
-driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`): each is one in-order
-``cl_command_queue``; a command is enqueued from the submitting thread with the events it waits
-for as its wait list, and one waiter thread per queue waits for the oldest event it was handed
-and reports it together with every later one that completed too, in one batch
-(docs/architecture.md: measured against ``clSetEventCallback``). Copies are
-non-blocking ``clEnqueueRead/WriteBuffer`` whose host memory the queue keeps alive until their
-event completed. A Python command (not an OpenCL one) runs on the waiter thread once a marker
-after its wait list completed, and a user event holds the queue's later commands until it
-returned. Raw kernels take tinygrad's CL convention: buffers, then ``int`` vals.
+driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`), each driven by a
+:class:`~aiotinyrt.backends.cl_queue.CLQueue`: one in-order ``cl_command_queue``; a command is
+enqueued from the submitting thread with the events it waits for as its wait list, and one
+waiter thread per queue reports completed events in batches. Copies are non-blocking
+``clEnqueueRead/WriteBuffer`` whose host memory the queue keeps alive until their event
+completed. Builds run in compile-server processes (:mod:`aiotinyrt.backends.cl_build`). Raw
+kernels take tinygrad's CL convention: buffers, then ``int`` vals.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import anyio.to_thread
@@ -26,123 +21,17 @@ import anyio.to_thread
 from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_build import BuildPool
+from aiotinyrt.backends.cl_queue import CLQueue, cl_command
 from aiotinyrt.backends.opencl import CLError, check, ffi
 from aiotinyrt.compiler import CompileError, Compiler
 from aiotinyrt.device import Compiled
-from aiotinyrt.driverqueue import Done, DriverQueue, report
-from aiotinyrt.graph import _join, _run_calls
+from aiotinyrt.driverqueue import DriverQueue
 from aiotinyrt.kernel import OpenCLRenderer
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
 
 NULL = ffi.NULL
-Command = Callable[..., Any]
-
-
-def cl_command(fn: Command) -> Command:
-    """Mark ``fn(queue, n_waits, wait_list, *args) -> cl_event`` as an OpenCL command: the driver
-    calls it with the wait list instead of running it on the host."""
-    fn.cl_command = True  # type: ignore[attr-defined]
-    return fn
-
-
-#: What the waiter thread is handed per command: its event, its ``done``, and for a Python
-#: command the function that runs it (None for an OpenCL command).
-Item = tuple[Any, Done, Callable[[float, BaseException | None], tuple[float, BaseException | None]] | None]
-
-
-class CLQueue:
-    """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
-
-    def __init__(self, device: CLDevice) -> None:
-        cl, err = ocl.lib(), ffi.new("cl_int*")
-        self.device = device
-        q = cl.clCreateCommandQueue(device.context, device.device_id, ocl.QUEUE_PROFILING_ENABLE, err)
-        check(err[0], "clCreateCommandQueue")
-        self.queue = ffi.gc(q, cl.clReleaseCommandQueue)
-        self._events: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
-        self._waiter = threading.Thread(target=self._wait, name=f"cl-waiter-{device.name}", daemon=True)
-        self._waiter.start()
-
-    def _wait(self) -> None:
-        """The waiter thread: waits for the oldest event handed to it (GIL released), then takes
-        every later one that has completed too (in-order queue: a prefix) and reports them all at
-        once. A Python command ends a batch: the commands after it wait for it to return."""
-        cl, items, times, status = ocl.lib(), self._events, ffi.new("cl_ulong[2]"), ffi.new("cl_int*")
-        pending: deque[Item | None] = deque()
-        while True:
-            if not pending:
-                pending.append(items.get())
-            pending.extend(items.get_nowait() for _ in range(items.qsize()))
-            if (item := pending[0]) is None:
-                return  # closed
-            cl.clWaitForEvents(1, ffi.new("cl_event[1]", [item[0]]))  # (its status tells errors)
-            pending.extend(items.get_nowait() for _ in range(items.qsize()))
-            batch = []
-            while (item := pending[0] if pending else None) is not None:
-                event, done, run = item
-                code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
-                if code == 0 and status[0] > 0:
-                    break  # not completed yet: the next batch starts with it
-                pending.popleft()
-                seconds, error = ocl.outcome(event, code or status[0], times)
-                if run is not None:  # a Python command: it runs now, later commands wait for it
-                    batch.append((done, *run(seconds, error)))
-                    break
-                batch.append((done, seconds, error))
-            del item, event  # (the events go before the commands complete)
-            report(batch)
-
-    def close(self) -> None:
-        """Stop the waiter thread after the events handed to it."""
-        self._events.put(None)
-
-    def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
-        """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
-        cl, n = ocl.lib(), len(waits)
-        wl = ffi.new("cl_event[]", list(waits)) if n else NULL
-        if getattr(fn, "cl_command", False):
-            event = fn(self.queue, n, wl, *args)
-        elif fn is _run_calls and all(getattr(f, "cl_command", False) for f, _ in args[0]):
-            event = NULL  # a graph run: its commands in one submission, the first one waits
-            for f, a in args[0]:
-                if event != NULL:
-                    cl.clReleaseEvent(event)
-                event, n, wl = f(self.queue, n, wl, *a), 0, NULL
-        elif fn is _join:
-            ev = ffi.new("cl_event*")
-            check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, ev), "clEnqueueMarkerWithWaitList")
-            event = ev[0]
-        else:
-            return self._host(fn, args, n, wl, done)
-        event = ffi.gc(event, cl.clReleaseEvent)
-        self._events.put((event, done, None))
-        return event
-
-    def _host(self, fn: Command, args: tuple[Any, ...], n: int, wl: Any, done: Done) -> Any:
-        """A Python command: the waiter thread runs it once a marker after its wait list
-        completed, while a user event holds the queue's later commands back."""
-        cl, err, marker = ocl.lib(), ffi.new("cl_int*"), ffi.new("cl_event*")
-        user = cl.clCreateUserEvent(self.device.context, err)
-        check(err[0], "clCreateUserEvent")
-        user = ffi.gc(user, cl.clReleaseEvent)
-        check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, marker), "clEnqueueMarkerWithWaitList")
-        marker_event = ffi.gc(marker[0], cl.clReleaseEvent)
-        blocked = ffi.new("cl_event[1]", [user])
-        check(cl.clEnqueueBarrierWithWaitList(self.queue, 1, blocked, NULL), "clEnqueueBarrierWithWaitList")
-
-        def run(_: float, error: BaseException | None) -> tuple[float, BaseException | None]:
-            start = time.perf_counter()
-            if error is None:
-                try:
-                    fn(*args)
-                except BaseException as exc:  # the command fails; the device becomes sticky
-                    error = exc
-            cl.clSetUserEventStatus(user, ocl.COMPLETE)
-            return time.perf_counter() - start, error
-
-        self._events.put((marker_event, done, run))
-        return user
+__all__ = ["CLAllocator", "CLCompiler", "CLDevice", "CLMemory", "CLProgram", "cl_command"]
 
 
 class CLMemory:
@@ -319,7 +208,9 @@ class CLDevice(Compiled):
         super().__init__(name, CLAllocator(self), CLCompiler(self), CLProgram, OpenCLRenderer())
 
     def _make_queue(self, name: str) -> Queue:
-        return DriverQueue(self, name, CLQueue(self), context=self.context)
+        return DriverQueue(
+            self, name, CLQueue(f"{self.name}/{name}", self.context, self.device_id), context=self.context
+        )
 
     def _on_close(self) -> None:
         for q in self.queues.values():

@@ -1,0 +1,143 @@
+"""The driver of the CL backend's queues: one in-order ``cl_command_queue`` and its waiter.
+
+:class:`CLQueue` is the :class:`~aiotinyrt.driverqueue.Driver` of one
+:class:`~aiotinyrt.driverqueue.DriverQueue` of a CL device (:mod:`aiotinyrt.backends.ops_cl`).
+
+- **Enqueue** (the submitting thread): a command marked :func:`cl_command` is called as
+  ``fn(queue, n_waits, wait_list, *args)`` and returns its event; a graph run
+  (``graph._run_calls``) enqueues its commands one after the other, the first with the wait
+  list; ``graph._join`` is a marker. Any other (Python) command gets a marker over its wait list
+  and a barrier on a user event, so the queue's later commands wait until it ran.
+- **Completion** (one waiter thread per queue): it waits for the oldest event handed to it
+  (``clWaitForEvents``, GIL released), then takes every later event that has completed too
+  (the queue is in order, so they form a prefix) and reports them in one
+  :func:`~aiotinyrt.driverqueue.report`: one lock round trip and one timeline advance for the
+  batch. Each event's execution status is read, so a failed one fails exactly its command (and
+  the queue's sticky error the later ones). A Python command ends a batch: the waiter runs it
+  once its marker completed, then sets its user event.
+- Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
+  before it reports, the DriverQueue its own when the command completed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.opencl import check, ffi
+from aiotinyrt.driverqueue import Done, report
+from aiotinyrt.graph import _join, _run_calls
+
+NULL = ffi.NULL
+Command = Callable[..., Any]
+
+
+def cl_command(fn: Command) -> Command:
+    """Mark ``fn(queue, n_waits, wait_list, *args) -> cl_event`` as an OpenCL command: the driver
+    calls it with the wait list instead of running it on the host."""
+    fn.cl_command = True  # type: ignore[attr-defined]
+    return fn
+
+
+#: What the waiter thread is handed per command: its event, its ``done``, and for a Python
+#: command the function that runs it (None for an OpenCL command).
+Item = tuple[Any, Done, Callable[[float, BaseException | None], tuple[float, BaseException | None]] | None]
+
+
+class CLQueue:
+    """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
+
+    def __init__(self, name: str, context: Any, device_id: Any) -> None:
+        cl, err = ocl.lib(), ffi.new("cl_int*")
+        self.context = context
+        q = cl.clCreateCommandQueue(context, device_id, ocl.QUEUE_PROFILING_ENABLE, err)
+        check(err[0], "clCreateCommandQueue")
+        self.queue = ffi.gc(q, cl.clReleaseCommandQueue)
+        self._events: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self._waiter = threading.Thread(target=self._wait, name=f"cl-waiter-{name}", daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        """The waiter thread: waits for the oldest event handed to it (GIL released), then takes
+        every later one that has completed too (in-order queue: a prefix) and reports them all at
+        once. A Python command ends a batch: the commands after it wait for it to return."""
+        cl, items, times, status = ocl.lib(), self._events, ffi.new("cl_ulong[2]"), ffi.new("cl_int*")
+        pending: deque[Item | None] = deque()
+        while True:
+            if not pending:
+                pending.append(items.get())
+            pending.extend(items.get_nowait() for _ in range(items.qsize()))
+            if (item := pending[0]) is None:
+                return  # closed
+            cl.clWaitForEvents(1, ffi.new("cl_event[1]", [item[0]]))  # (its status tells errors)
+            pending.extend(items.get_nowait() for _ in range(items.qsize()))
+            batch = []
+            while (item := pending[0] if pending else None) is not None:
+                event, done, run = item
+                code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
+                if code == 0 and status[0] > 0:
+                    break  # not completed yet: the next batch starts with it
+                pending.popleft()
+                seconds, error = ocl.outcome(event, code or status[0], times)
+                if run is not None:  # a Python command: it runs now, later commands wait for it
+                    batch.append((done, *run(seconds, error)))
+                    break
+                batch.append((done, seconds, error))
+            del item, event  # (the events go before the commands complete)
+            report(batch)
+
+    def close(self) -> None:
+        """Stop the waiter thread after the events handed to it."""
+        self._events.put(None)
+
+    def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
+        """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
+        cl, n = ocl.lib(), len(waits)
+        wl = ffi.new("cl_event[]", list(waits)) if n else NULL
+        if getattr(fn, "cl_command", False):
+            event = fn(self.queue, n, wl, *args)
+        elif fn is _run_calls and all(getattr(f, "cl_command", False) for f, _ in args[0]):
+            event = NULL  # a graph run: its commands in one submission, the first one waits
+            for f, a in args[0]:
+                if event != NULL:
+                    cl.clReleaseEvent(event)
+                event, n, wl = f(self.queue, n, wl, *a), 0, NULL
+        elif fn is _join:
+            ev = ffi.new("cl_event*")
+            check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, ev), "clEnqueueMarkerWithWaitList")
+            event = ev[0]
+        else:
+            return self._host(fn, args, n, wl, done)
+        event = ffi.gc(event, cl.clReleaseEvent)
+        self._events.put((event, done, None))
+        return event
+
+    def _host(self, fn: Command, args: tuple[Any, ...], n: int, wl: Any, done: Done) -> Any:
+        """A Python command: the waiter thread runs it once a marker after its wait list
+        completed, while a user event holds the queue's later commands back."""
+        cl, err, marker = ocl.lib(), ffi.new("cl_int*"), ffi.new("cl_event*")
+        user = cl.clCreateUserEvent(self.context, err)
+        check(err[0], "clCreateUserEvent")
+        user = ffi.gc(user, cl.clReleaseEvent)
+        check(cl.clEnqueueMarkerWithWaitList(self.queue, n, wl, marker), "clEnqueueMarkerWithWaitList")
+        marker_event = ffi.gc(marker[0], cl.clReleaseEvent)
+        blocked = ffi.new("cl_event[1]", [user])
+        check(cl.clEnqueueBarrierWithWaitList(self.queue, 1, blocked, NULL), "clEnqueueBarrierWithWaitList")
+
+        def run(_: float, error: BaseException | None) -> tuple[float, BaseException | None]:
+            start = time.perf_counter()
+            if error is None:
+                try:
+                    fn(*args)
+                except BaseException as exc:  # the command fails; the device becomes sticky
+                    error = exc
+            cl.clSetUserEventStatus(user, ocl.COMPLETE)
+            return time.perf_counter() - start, error
+
+        self._events.put((marker_event, done, run))
+        return user
