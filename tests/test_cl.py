@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices
+from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
-from aiotinyrt.backends import ops_cl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.driverqueue import Done
 from tests.helpers import CASES, Case, run_cpu
@@ -196,7 +196,7 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
     await out.copyin(np.zeros(1, np.int32))
     gate, failing = cl.clCreateUserEvent(dev.context, err), cl.clCreateUserEvent(dev.context, err)
     sizes: list[int] = []
-    real = ops_cl.report
+    real = cl_queue.report
     queue = dev._compute_queue
 
     def spy(batch: list[tuple[Done, float, BaseException | None]]) -> None:
@@ -204,7 +204,7 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
             sizes.append(len(batch))
         real(batch)
 
-    monkeypatch.setattr(ops_cl, "report", spy)
+    monkeypatch.setattr(cl_queue, "report", spy)
     first = queue.submit(_user_event_command(gate), ())  # holds the waiter: the rest is one batch
     before, failed, after = prog(out), queue.submit(_user_event_command(failing), ()), prog(out)
     kernels = ffi.new("cl_event[2]", [queue._events[before.value], queue._events[after.value]])
