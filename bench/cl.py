@@ -7,7 +7,10 @@ Every figure is the median over the repetitions; each repetition runs every row 
 same order, so slow phases of a noisy machine hit all columns alike. The kernel is
 ``out[0] += 1`` on one int. Also measured: the two completion paths a driver-run queue can take
 (a clSetEventCallback per event, or one waiter thread calling clWaitForEvents in order), on the
-raw binding, and whether two builds of distinct kernels overlap on worker threads. Prints one
+raw binding, and whether two builds of distinct kernels overlap: on two threads of one process
+(they take turns on a lock inside PoCL) or in two compile-server processes. Process CPU rows
+count every thread of this process (PoCL's, the waiters): other processes' load does not
+inflate them as it does wall time. Prints one
 markdown table. Needs pyopencl for its rows (``pip install pyopencl``); tinygrad's rows appear
 when ``tinygrad.runtime.ops_cl`` imports.
 """
@@ -31,6 +34,7 @@ from _samples import Samples
 
 from aiotinyrt import Buffer, Device, dtypes
 from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.cl_build import BuildPool, BuildServer
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
 
 SRC = "__kernel void inc(__global int* out) { out[0] += 1; }"
@@ -50,16 +54,21 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
     kernel.set_arg(0, buf)
     g = (1,)
     q.finish()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(n):
         cl.enqueue_nd_range_kernel(q, kernel, g, None)
     s.add("pyopencl|pipelined launch (us)", (time.perf_counter() - t) / n * 1e6)
-    q.finish()
+    q.finish()  # (the CPU row counts the kernels' execution too, as aiotinyrt's does)
+    s.add(
+        "pyopencl|pipelined launch, process CPU to the last completed (us)",
+        (time.process_time() - cpu) / n * 1e6,
+    )
     m = max(n // 20, 200)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(m):
         cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
     s.add("pyopencl|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+    s.add("pyopencl|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
     host = np.ones(nbytes // 4, np.int32)
     big = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
     t = time.perf_counter()
@@ -106,16 +115,21 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     buf = await Buffer("CL", 1, dtypes.int32).allocate()
     await buf.copyin(np.zeros(1, np.int32))
     await dev.synchronize()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(n - 1):
         prog(buf)
     await prog(buf)
     s.add("aiotinyrt|pipelined launch (us)", (time.perf_counter() - t) / n * 1e6)
+    s.add(
+        "aiotinyrt|pipelined launch, process CPU to the last completed (us)",
+        (time.process_time() - cpu) / n * 1e6,
+    )
     m = max(n // 20, 200)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for _ in range(m):
         await prog(buf)
     s.add("aiotinyrt|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+    s.add("aiotinyrt|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
     t = time.perf_counter()
@@ -205,9 +219,33 @@ def completion_rows(s: Samples, n: int) -> None:
     dev.allocator.free_nowait(mem, 4)
 
 
-def compile_rows(s: Samples, reps: int) -> None:
-    """Two builds of distinct kernels: one after the other vs on two threads (PoCL's kernel cache
-    off, so each build runs LLVM)."""
+def _state(tid: int) -> str:
+    """The scheduler state of thread or process ``tid`` (R running/runnable, S/D waiting)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat" if tid > 0 else f"/proc/{-tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "-"
+
+
+def _two_at_once(start: Callable[[], list[int]], running: Callable[[], bool]) -> tuple[float, float]:
+    """Run two builds at once: ``(seconds, fraction of 0.5 ms samples with one waiting while the
+    other runs)``. A preempted thread stays R; only a wait (a lock) is S or D, so the fraction
+    shows serialization whatever the machine's load."""
+    t = time.perf_counter()
+    ids, one_waits, samples = start(), 0, 0
+    while running():
+        states = [_state(i) for i in ids]
+        if "-" not in states:
+            samples += 1
+            one_waits += sum(x in "SD" for x in states) == 1
+        time.sleep(0.0005)
+    return time.perf_counter() - t, one_waits / max(samples, 1)
+
+
+def compile_rows(s: Samples) -> None:
+    """Two builds of distinct kernels (PoCL's kernel cache off, so each runs LLVM): one after
+    the other in this process, on two threads of this process, and in two compile servers."""
     dev = Device["CL"]
     assert isinstance(dev, CLDevice)
     tag = [0]
@@ -215,20 +253,59 @@ def compile_rows(s: Samples, reps: int) -> None:
     def src() -> str:
         tag[0] += 1
         body = " ".join(f"o[{i}] = o[{i}] * {tag[0]} + {i};" for i in range(200))
-        return f"__kernel void k{tag[0]}_{os.getpid()}(__global int* o) {{ {body} }}"
+        return f"__kernel void k{tag[0]}_{time.time_ns()}(__global int* o) {{ {body} }}"
 
+    build = dev.compiler.build  # type: ignore[attr-defined]
     t = time.perf_counter()
-    dev.compiler.build(src())  # type: ignore[attr-defined]
-    dev.compiler.build(src())  # type: ignore[attr-defined]
-    serial = time.perf_counter() - t
-    threads = [threading.Thread(target=dev.compiler.build, args=(src(),)) for _ in range(2)]  # type: ignore[attr-defined]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    s.add("compile|2 builds, serial (ms)", serial * 1e3)
-    s.add("compile|2 builds, 2 threads (ms)", (time.perf_counter() - t) * 1e3)
+    build(src())
+    build(src())
+    s.add("compile|2 builds one after the other, in-process (ms)", (time.perf_counter() - t) * 1e3)
+
+    def threads(target: Callable[[str], bytes]) -> Callable[[], list[int]]:
+        def start() -> list[int]:
+            ids: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+            def run(text: str) -> None:
+                ids.put(threading.get_native_id())
+                target(text)
+
+            workers[:] = [threading.Thread(target=run, args=(src(),)) for _ in range(2)]
+            for w in workers:
+                w.start()
+            return [ids.get(), ids.get()]
+
+        return start
+
+    workers: list[threading.Thread] = []
+    seconds, waits = _two_at_once(threads(build), lambda: any(w.is_alive() for w in workers))
+    s.add("compile|2 builds on 2 threads, in-process (ms)", seconds * 1e3)
+    s.add("compile|2 builds on 2 threads: one waits (% of samples)", waits * 100)
+    pool = _pool()
+    servers = list(pool._idle)  # (two started servers: the next two builds take one each)
+
+    def serve() -> list[int]:
+        workers[:] = [threading.Thread(target=pool.build, args=(src(),)) for _ in range(2)]
+        for w in workers:
+            w.start()
+        return [-srv.proc.pid for srv in servers]
+
+    seconds, waits = _two_at_once(serve, lambda: any(w.is_alive() for w in workers))
+    s.add("compile|2 builds in 2 compile servers (ms)", seconds * 1e3)
+    s.add("compile|2 builds in 2 compile servers: one waits (% of samples)", waits * 100)
+
+
+_pools: list[BuildPool] = []
+
+
+def _pool() -> BuildPool:
+    """A pool of two started servers for CL (their start-up is not part of the rows)."""
+    if not _pools:
+        pool = BuildPool(0, size=2)
+        pool._idle = [BuildServer(0), BuildServer(0)]
+        for server in pool._idle:
+            server.build("__kernel void warm(__global int* o) { o[0] = 1; }")
+        _pools.append(pool)
+    return _pools[0]
 
 
 def main() -> None:
@@ -244,7 +321,7 @@ def main() -> None:
         tinygrad_rows(s, args.launches)
         anyio.run(aiotinyrt_rows, s, args.launches, nbytes)
         completion_rows(s, args.launches // 4)
-        compile_rows(s, args.reps)
+        compile_rows(s)
     print(
         f"CL device: {Device['CL'].device_name} ({Device['CL'].driver_version}), "  # type: ignore[attr-defined]
         f"{args.launches} launches, {args.reps} repetitions, medians; {os.cpu_count()} cores"
