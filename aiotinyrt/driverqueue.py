@@ -98,8 +98,9 @@ class Driver(Protocol):
         """Hand ``fn(*args)`` to the driver, to run after the events ``waits`` (of earlier
         commands of this driver) and after every command enqueued before it on this queue.
         Returns the command's event (what later commands' ``waits`` hold). Must call ``done``
-        exactly once, from any thread, when the command completed or failed; may raise (the
-        command then fails at once). Must not block on the completion of other work."""
+        (or hand it to :func:`report`) exactly once, from any thread, when the command completed
+        or failed; may raise (the command then fails at once). Must not block on the completion
+        of other work."""
         ...
 
 
@@ -159,7 +160,7 @@ class DriverQueue:
         keep: object = None,
     ) -> Signal:
         """Hand ``fn(*args)`` to the driver after ``deps``; return its Signal at once."""
-        pending: list[Signal] = []
+        pending: Sequence[Signal] = ()
         with self._submit_lock:
             if self._stopping:  # (checked under the lock: stop() empties what is held)
                 raise DeviceError(f"{self.device.name} is closed", device=self.device.name)
@@ -204,35 +205,40 @@ class DriverQueue:
         """Never called: ``native`` is False."""
         raise TypeError(f"{self!r} has no native ring")
 
-    def _hand_over(self, sig: Signal) -> list[Signal]:
+    def _hand_over(self, sig: Signal) -> Sequence[Signal]:
         """Give the command to the driver (or complete it unrun: a dependency failed, or the
         device holds its sticky error); or return the pending dependencies it must be held back
         for. Caller holds ``_submit_lock``."""
         device = self.device
-        waits: list[object] = []
-        pending: list[Signal] = []
-        for dep in sig._deps:
-            timeline = dep.timeline
-            other = _BY_TIMELINE.get(id(timeline))
-            event = (
-                other._events.get(dep.value) if other is not None and other.context is self.context else None
-            )
-            if timeline.completed >= dep.value:
-                error = dep.error()
-                if error is not None:
-                    self._finish(sig, dependency_failed(device.name, timeline.label, dep.value, error))
-                    return []
-            elif timeline is self.timeline:
-                continue  # ordered by the driver's queue; its outcome is checked at completion
-            elif event is None:
-                pending.append(dep)
-            else:
-                waits.append(event)
-        if pending:
-            return pending
+        waits: Sequence[object] = ()
+        if sig._deps:
+            found: list[object] = []
+            pending: list[Signal] = []
+            for dep in sig._deps:
+                timeline = dep.timeline
+                other = _BY_TIMELINE.get(id(timeline))
+                event = (
+                    other._events.get(dep.value)
+                    if other is not None and other.context is self.context
+                    else None
+                )
+                if timeline.completed >= dep.value:
+                    error = dep.error()
+                    if error is not None:
+                        self._finish(sig, dependency_failed(device.name, timeline.label, dep.value, error))
+                        return ()
+                elif timeline is self.timeline:
+                    continue  # ordered by the driver's queue; its outcome is checked at completion
+                elif event is None:
+                    pending.append(dep)
+                else:
+                    found.append(event)
+            if pending:
+                return pending
+            waits = found
         if device._error is not None:
             self._finish(sig, device._error)
-            return []
+            return ()
         value = sig.value
         fn = sig._fn
         assert fn is not None
@@ -248,11 +254,11 @@ class DriverQueue:
                 self._events.pop(value, None)  # ``_taken`` before it drops the event)
         finally:
             self._enqueuing = outer
-        return []
+        return ()
 
     def _flush(self) -> None:
         """Hand over held-back commands whose dependencies completed (any thread)."""
-        pending: list[Signal] = []
+        pending: Sequence[Signal] = ()
         with self._submit_lock:
             while self._held and not pending:
                 pending = self._hand_over(self._held[0])

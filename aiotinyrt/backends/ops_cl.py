@@ -150,7 +150,8 @@ class CLProgram(Program):
         self._prog, self._kernel = ocl.load(device.context, device.device_ids, self.lib, name)
         self._lock = threading.Lock()  # a cl_kernel's arguments are state: one launch at a time
         self._ev = ffi.new("cl_event*")  # (the launch's event, read under the lock)
-        self._args: tuple[Any, ...] | None = None  # the arguments set last
+        self._vals: tuple[int, ...] = ()  # the arguments set last (_bufs None: none are)
+        self._bufs: tuple[CLMemory, ...] | None = None
         self._sizes: dict[tuple[int, ...], Any] = {}
 
     def _size(self, size: tuple[int, ...]) -> Any:
@@ -173,7 +174,7 @@ class CLProgram(Program):
     ) -> Any:
         cl, ev, kernel = ocl.lib(), self._ev, self._kernel
         with self._lock:
-            if self._args != (vals, bufs):
+            if self._vals != vals or self._bufs != bufs:
                 for i, buf in enumerate(bufs):
                     check(
                         cl.clSetKernelArg(kernel, i, 8, buf.kernel_arg()), f"clSetKernelArg({self.name}, {i})"
@@ -183,10 +184,10 @@ class CLProgram(Program):
                         cl.clSetKernelArg(kernel, i, 4, ffi.new("int*", v)),
                         f"clSetKernelArg({self.name}, {i})",
                     )
-                self._args = (vals, bufs)
+                self._vals, self._bufs = vals, bufs
             code = cl.clEnqueueNDRangeKernel(queue, kernel, 3, NULL, gsz, lsz, n, wl, ev)
             if code != 0:
-                self._args = None
+                self._bufs = None
                 raise CLError(f"clEnqueueNDRangeKernel({self.name})", code)
             return ev[0]
 
