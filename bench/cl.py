@@ -228,15 +228,15 @@ def _state(tid: int) -> str:
         return "-"
 
 
-def _two_at_once(start: Callable[[], list[int]], running: Callable[[], bool]) -> tuple[float, float]:
-    """Run two builds at once: ``(seconds, fraction of 0.5 ms samples with one waiting while the
-    other runs)``. A preempted thread stays R; only a wait (a lock) is S or D, so the fraction
-    shows serialization whatever the machine's load."""
+def _two_at_once(start: Callable[[], list[int]], alive: Callable[[], list[bool]]) -> tuple[float, float]:
+    """Run two builds at once: ``(seconds, fraction of 0.5 ms samples, while both run, with one
+    waiting and the other not)``. A preempted thread stays R; only a wait (a lock) is S or D, so
+    the fraction shows serialization whatever the machine's load."""
     t = time.perf_counter()
     ids, one_waits, samples = start(), 0, 0
-    while running():
+    while any(running := alive()):
         states = [_state(i) for i in ids]
-        if "-" not in states:
+        if all(running) and "-" not in states:
             samples += 1
             one_waits += sum(x in "SD" for x in states) == 1
         time.sleep(0.0005)
@@ -277,7 +277,7 @@ def compile_rows(s: Samples) -> None:
         return start
 
     workers: list[threading.Thread] = []
-    seconds, waits = _two_at_once(threads(build), lambda: any(w.is_alive() for w in workers))
+    seconds, waits = _two_at_once(threads(build), lambda: [w.is_alive() for w in workers])
     s.add("compile|2 builds on 2 threads, in-process (ms)", seconds * 1e3)
     s.add("compile|2 builds on 2 threads: one waits (% of samples)", waits * 100)
     pool = _pool()
@@ -289,7 +289,7 @@ def compile_rows(s: Samples) -> None:
             w.start()
         return [-srv.proc.pid for srv in servers]
 
-    seconds, waits = _two_at_once(serve, lambda: any(w.is_alive() for w in workers))
+    seconds, waits = _two_at_once(serve, lambda: [w.is_alive() for w in workers])
     s.add("compile|2 builds in 2 compile servers (ms)", seconds * 1e3)
     s.add("compile|2 builds in 2 compile servers: one waits (% of samples)", waits * 100)
 
