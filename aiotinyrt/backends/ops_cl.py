@@ -150,6 +150,7 @@ class CLProgram(Program):
         self._prog, self._kernel = ocl.load(device.context, device.device_ids, self.lib, name)
         self._lock = threading.Lock()  # a cl_kernel's arguments are state: one launch at a time
         self._ev = ffi.new("cl_event*")  # (the launch's event, read under the lock)
+        self._launch = self._enqueue  # (one bound method for every launch)
         self._vals: tuple[int, ...] = ()  # the arguments set last (_bufs None: none are)
         self._bufs: tuple[CLMemory, ...] | None = None
         self._sizes: dict[tuple[int, ...], Any] = {}
@@ -166,7 +167,7 @@ class CLProgram(Program):
         gsz, lsz = global_size, NULL if local_size is None else self._size(local_size)
         if self.kernel is not None and local_size is not None:  # rendered: round up, extra items return
             gsz = tuple(-(-g // ls) * ls for g, ls in zip(global_size, local_size, strict=True))
-        return self._enqueue, (self._size(gsz), lsz, vals, *handles)
+        return self._launch, (self._size(gsz), lsz, vals, *handles)
 
     @cl_command
     def _enqueue(
