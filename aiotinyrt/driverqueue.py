@@ -58,10 +58,14 @@ from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, w
 _log = get_logger("queue")
 
 
-class Done:
-    """The driver's report that one command completed: ``done(seconds, error)`` (error None: it
-    ran), exactly once, from any thread. A driver that learns of several completions at once
-    hands them in together with :func:`report`."""
+#: ``done(seconds, error)``: the driver's report that a command completed (error None: it ran).
+Done = Callable[[float, BaseException | None], None]
+
+
+class Completion:
+    """The ``done`` a :class:`DriverQueue` hands its driver with each command: call it as
+    ``done(seconds, error)`` exactly once, from any thread, or hand it to :func:`report` with
+    others."""
 
     __slots__ = ("queue", "start", "value")
 
@@ -69,7 +73,7 @@ class Done:
         self.queue, self.value, self.start = queue, value, start
 
     def __repr__(self) -> str:
-        return f"<Done {self.queue.timeline.label}@{self.value}>"
+        return f"<Completion {self.queue.timeline.label}@{self.value}>"
 
     def __call__(self, seconds: float, error: BaseException | None) -> None:
         self.queue._report(((self, seconds, error),))
@@ -78,14 +82,19 @@ class Done:
 def report(batch: Sequence[tuple[Done, float, BaseException | None]]) -> None:
     """Report several completions at once, each ``(done, seconds, error)`` exactly as calling
     ``done(seconds, error)``: the results of one queue are stored under one lock and its timeline
-    advanced once for them all (one wait for many events of an in-order queue costs one pass)."""
+    advanced once for them all (one wait for many events of an in-order queue costs one pass).
+    A ``done`` that is not a queue's :class:`Completion` (a driver's wrapper) is just called."""
     start, n = 0, len(batch)
     while start < n:
-        queue = batch[start][0].queue
-        end = start + 1
-        while end < n and batch[end][0].queue is queue:
+        done = batch[start][0]
+        if not isinstance(done, Completion):
+            done(batch[start][1], batch[start][2])
+            start += 1
+            continue
+        queue, end = done.queue, start + 1
+        while end < n and isinstance(nxt := batch[end][0], Completion) and nxt.queue is queue:
             end += 1
-        queue._report(batch[start:end] if start or end < n else batch)
+        queue._report(batch[start:end] if start or end < n else batch)  # type: ignore[arg-type]
         start = end
 
 
@@ -242,7 +251,7 @@ class DriverQueue:
         value = sig.value
         fn = sig._fn
         assert fn is not None
-        done = Done(self, value, 0.0 if self.profile is None else time.perf_counter())
+        done = Completion(self, value, 0.0 if self.profile is None else time.perf_counter())
         outer, self._enqueuing = self._enqueuing, threading.get_ident()
         try:
             event = self.driver.enqueue(fn, sig._args, waits, done)
@@ -276,7 +285,7 @@ class DriverQueue:
         self._inline = True
 
     # ---- completion -------------------------------------------------------------------------------
-    def _report(self, batch: Sequence[tuple[Done, float, BaseException | None]]) -> None:
+    def _report(self, batch: Sequence[tuple[Completion, float, BaseException | None]]) -> None:
         """The driver's reports (``Done`` and :func:`report`) of commands of this queue: any
         thread, possibly inside ``enqueue`` itself (the submitter advances then)."""
         profile = self.profile

@@ -183,3 +183,18 @@ def test_a_batch_reported_out_of_order_over_two_queues_completes_each_in_order()
     report([(done[0], 0.0, None)])
     assert q1.timeline.completed == 3 and b.done() and b.error() is None
     assert q1._events == {} and q2._events == {}
+
+
+def test_a_batch_may_hold_a_drivers_own_done_wrapper() -> None:
+    driver = Manual()
+    queue = DriverQueue(Owner(), "compute", driver)
+    sigs = [queue.submit(nothing, ()) for _ in range(2)]
+    seen: list[float] = []
+    inner = driver.commands[0][3]
+
+    def wrapper(seconds: float, error: BaseException | None) -> None:  # as a driver's reply
+        seen.append(seconds)
+        inner(seconds, error)
+
+    report([(wrapper, 0.25, None), (driver.commands[1][3], 0.5, None)])
+    assert seen == [0.25] and [s.result() for s in sigs] == [0.25, 0.5]
