@@ -36,6 +36,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,13 @@ server = sys.modules["bench_server"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(server)
 git_tree, raw_load = server.git_tree, server.raw_load
 
+#: row -> (label, serve.py's arguments)
 MODES = {
-    "blocking": "(a) tinygrad CPU, in the handler",
-    "executor": "(b) tinygrad CPU, one-thread executor",
-    "aio": "(c) AIO, awaited, micro-batched",
-    "http": "(d) control: HTTP stack, no model",
+    "blocking": ("(a) tinygrad CPU, in the handler", ["--mode", "blocking"]),
+    "executor": ("(b) tinygrad CPU, one-thread executor", ["--mode", "executor"]),
+    "aio": ("(c) AIO, awaited, micro-batched", ["--mode", "aio"]),
+    "http": ("(d) control: HTTP stack, no model", ["--mode", "http"]),
+    "aio2": ("(e) as (c), replicas on AIO and AIO:1", ["--mode", "aio", "--devices", "AIO,AIO:1"]),
 }
 
 
@@ -74,15 +77,9 @@ def bodies(count: int = 16) -> list[bytes]:
     return [json.dumps({"images": rng.integers(0, 17, (1, 64)).tolist()}).encode() for _ in range(count)]
 
 
-async def start_server(mode: str) -> tuple[anyio.abc.Process, str]:
-    argv = [
-        sys.executable,
-        str(ROOT / "examples" / "tinygrad_digits" / "serve.py"),
-        "--port",
-        "0",
-        "--mode",
-        mode,
-    ]
+async def start_server(mode: str, extra: list[str]) -> tuple[anyio.abc.Process, str]:
+    argv = [sys.executable, str(ROOT / "examples" / "tinygrad_digits" / "serve.py"), "--port", "0"]
+    argv += [*MODES[mode][1], *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     process = await anyio.open_process(argv, env=env, stderr=None)
     assert process.stdout is not None
@@ -97,8 +94,12 @@ async def start_server(mode: str) -> tuple[anyio.abc.Process, str]:
     return process, output.partition(" on ")[2].split()[0]
 
 
-async def one_run(mode: str, args: argparse.Namespace, payloads: list[bytes]) -> dict[str, float]:
-    process, url = await start_server(mode)
+async def one_run(mode: str, args: argparse.Namespace, payloads: list[bytes], rep: int) -> dict[str, float]:
+    extra = []
+    if args.stall_log is not None:
+        Path(args.stall_log).mkdir(parents=True, exist_ok=True)
+        extra = ["--stall-log", str(Path(args.stall_log) / f"{mode}-{rep}.json")]
+    process, url = await start_server(mode, extra)
     try:
         warm = 2 * args.concurrency
         await raw_load(url, requests=warm, concurrency=args.concurrency, batch=1, bodies=payloads)
@@ -165,10 +166,15 @@ async def awaited_call_cpu(calls: int) -> float:
 
 async def main(args: argparse.Namespace) -> None:
     payloads = bodies()
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    selected = args.modes.split(",")
+    unknown = set(selected) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown --modes {sorted(unknown)}: choose from {', '.join(MODES)}")
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in selected}
     for rep in range(args.reps):
-        for mode in MODES:
-            run = await one_run(mode, args, payloads)
+        for mode in selected:
+            run = await one_run(mode, args, payloads, rep)
             runs[mode].append(run)
             print(
                 f"  rep {rep + 1}/{args.reps} {mode:<9} single {run['single_ms']:.2f} ms"
@@ -190,7 +196,8 @@ async def main(args: argparse.Namespace) -> None:
         "failed",
     ]
     rows = [head]
-    for mode, label in MODES.items():
+    for mode in selected:
+        label = MODES[mode][0]
         worst = max(r["lag_ms"] for r in runs[mode])
         rows.append(
             [
@@ -212,6 +219,23 @@ async def main(args: argparse.Namespace) -> None:
     )
     table(rows)
 
+    if set(selected) >= {"blocking", "executor", "aio", "http"}:
+        await per_call_and_verdicts(args, runs, med)
+    if "aio" in selected and "aio2" in selected:
+        one, two = med("aio", "throughput"), med("aio2", "throughput")
+        print(
+            f"\n(e) two replicas (AIO, AIO:1): {two:.1f} req/s vs (c) one: {one:.1f} req/s "
+            f"({two / one:.2f}x); p99 {med('aio2', 'p99_ms'):.1f} vs {med('aio', 'p99_ms'):.1f} ms"
+        )
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    print(f"\n{machine}, tree {git_tree()}, load average at the start {load_start}, at the end {load}")
+
+
+async def per_call_and_verdicts(
+    args: argparse.Namespace, runs: dict[str, list[dict[str, float]]], med: Callable[[str, str], float]
+) -> None:
+    """Part 2 (per-call cost) and the targets' verdicts (needs rows (a) to (d))."""
     # (synchronous tinygrad: in a worker thread; on the loop, AIO's blocking calls would refuse)
     cpu_call = await anyio.to_thread.run_sync(per_call_cpu, "CPU", args.calls)
     aio_call = await anyio.to_thread.run_sync(per_call_cpu, "AIO", args.calls)
@@ -249,8 +273,6 @@ async def main(args: argparse.Namespace) -> None:
     ]
     for ok, line in verdicts:
         print(f"{'PASS' if ok else 'MISS'}  {line}")
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    print(f"\n{machine}, tree {git_tree()}")
 
 
 def table(rows: list[list[str]]) -> None:
@@ -270,6 +292,8 @@ def cli() -> None:
     parser.add_argument("--single", type=int, default=200)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--stall-log", help="folder: each server writes what stalled its loop there")
+    parser.add_argument("--modes", default=",".join(MODES), help="which rows to run (comma-separated)")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.requests, args.single, args.calls = 1, 400, 100, 500

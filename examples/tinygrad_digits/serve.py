@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import signal
@@ -30,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -37,6 +39,7 @@ import anyio.to_thread
 import numpy as np
 from hypercorn.config import Config
 from model import DigitsCNN
+from stalls import StallWatch
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -60,6 +63,20 @@ class ServerConfig:
     #: model on tinygrad's own CPU device in the handler; ``executor`` does that in a one-thread
     #: executor (what services do today); ``http`` answers zeros without a model (a control).
     mode: str = "aio"
+    #: where ``stalls.StallWatch`` writes what stalled the loop (None: not watched)
+    stall_log: str | None = None
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive into the collector's permanent generation.
+
+    Loading the model and capturing its jit leaves ~300,000 objects (tinygrad's UOp graphs and
+    compiled kernels, the modules): a full collection while serving would scan them all, on the
+    loop thread, for 150-550 ms on the 2-core VM. Frozen, they are never scanned; serving itself
+    leaves a few hundred live objects behind, so full collections stay short.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 class Overloaded(Exception):
@@ -83,6 +100,7 @@ class Replica:
         self.forward = TinyJit(lambda x: self.model(x).softmax(axis=1).realize())
         self.inputs = [Tensor.zeros(batch, 64, device=device).contiguous().realize() for _ in range(slots)]
         self.free = deque(range(slots))
+        self.batches = 0  # micro-batches this replica ran
 
     def warm_up(self) -> None:
         """Run and capture the jit (compiles: call from a worker thread, before serving)."""
@@ -99,6 +117,7 @@ class LoopLag:
         self.worst = 0.0
         self.total = 0.0
         self.ticks = 0
+        self.watch: StallWatch | None = None
 
     async def run(self) -> None:
         while True:
@@ -108,6 +127,8 @@ class LoopLag:
             self.worst = max(self.worst, lag)
             self.total += lag
             self.ticks += 1
+            if self.watch is not None:
+                self.watch.tick(lag)
 
     def reset(self) -> None:
         self.worst = self.total = 0.0
@@ -145,6 +166,8 @@ class Service:
         self.ready = anyio.Event()
         self.batches = 0
         self.images = 0
+        self._turn = 0
+        self.frozen = False
 
     async def start(self) -> None:
         """Load the replicas and capture their jits, off the loop thread."""
@@ -154,7 +177,15 @@ class Service:
             replica = await anyio.to_thread.run_sync(Replica, device, self.config.batch, self.config.slots)
             await anyio.to_thread.run_sync(replica.warm_up)
             self.replicas.append(replica)
+        await anyio.to_thread.run_sync(freeze_heap)
+        self.frozen = True
         self.ready.set()
+
+    def stop(self) -> None:
+        """Give the heap back to the garbage collector (the lifespan's end)."""
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
 
     async def predict(self, images: np.ndarray) -> np.ndarray:
         """Queue ``images`` (``N x 64`` float32) and wait for their probabilities.
@@ -185,10 +216,17 @@ class Service:
         return ticket.result
 
     def _take_slot(self) -> tuple[Replica, int] | None:
-        for replica in sorted(self.replicas, key=lambda r: -len(r.free)):
-            if replica.free:
-                return replica, replica.free.popleft()
-        return None
+        """A free slot of the replica with the most free slots; ties go to the replica after
+        the one used last (so micro-batches alternate between replicas even one at a time)."""
+        count = len(self.replicas)
+        if not count:
+            return None
+        order = [self.replicas[(self._turn + i) % count] for i in range(count)]
+        replica = max(order, key=lambda r: len(r.free))
+        if not replica.free:
+            return None
+        self._turn = (self.replicas.index(replica) + 1) % count
+        return replica, replica.free.popleft()
 
     async def run_batcher(self) -> None:
         """Forever: take a free slot, gather a micro-batch, start it in its own task."""
@@ -233,6 +271,7 @@ class Service:
                 rows += len(ticket.images)
                 ticket.done.set()
             self.batches += 1
+            replica.batches += 1
             self.images += rows
         except BaseException as exc:
             for ticket in tickets:
@@ -293,6 +332,7 @@ def create_app(config: ServerConfig) -> tuple[Starlette, Service]:
                 "batches": service.batches,
                 "images": service.images,
                 "mean_batch": None if math.isnan(mean) else mean,
+                "replicas": {r.device: r.batches for r in service.replicas},
                 "loop_lag": {
                     "worst_ms": lag.worst * 1e3,
                     "mean_ms": lag.total / lag.ticks * 1e3 if lag.ticks else 0.0,
@@ -303,6 +343,8 @@ def create_app(config: ServerConfig) -> tuple[Starlette, Service]:
     async def reset(request: Request) -> JSONResponse:
         service.lag.reset()
         service.batches = service.images = 0
+        for replica in service.replicas:
+            replica.batches = 0
         return JSONResponse({})
 
     @contextlib.asynccontextmanager
@@ -310,10 +352,18 @@ def create_app(config: ServerConfig) -> tuple[Starlette, Service]:
         async with anyio.create_task_group() as tg:
             if not service.ready.is_set():
                 await service.start()
+            if config.stall_log is not None:
+                service.lag.watch = StallWatch(Path(config.stall_log), LoopLag.PERIOD)
+                service.lag.watch.start()
             tg.start_soon(service.run_batcher)
             tg.start_soon(service.lag.run)
-            yield
-            tg.cancel_scope.cancel()
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+                service.stop()
+                if service.lag.watch is not None:
+                    service.lag.watch.stop()
 
     routes = [
         Route("/predict", predict, methods=["POST"]),
@@ -379,8 +429,9 @@ def main() -> None:
     parser.add_argument("--loop", choices=["asyncio", "uvloop", "trio"], default="asyncio")
     parser.add_argument("--devices", default="AIO")
     parser.add_argument("--mode", choices=["aio", "blocking", "executor", "http"], default="aio")
+    parser.add_argument("--stall-log", help="write what stalled the event loop to this JSON file at exit")
     args = parser.parse_args()
-    config = ServerConfig(devices=tuple(args.devices.split(",")), mode=args.mode)
+    config = ServerConfig(devices=tuple(args.devices.split(",")), mode=args.mode, stall_log=args.stall_log)
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
 
