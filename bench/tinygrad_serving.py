@@ -1,7 +1,8 @@
 """tinygrad models served from async Python: tinygrad's CPU device against AIO, side by side.
 
-    python bench/tinygrad_serving.py            # 2 repetitions, 1200 requests per loaded run (~3-5 min)
+    python bench/tinygrad_serving.py            # 2 repetitions, 1200 requests per loaded run (~5-8 min)
     python bench/tinygrad_serving.py --quick    # 1 repetition, 400 requests
+    python bench/tinygrad_serving.py --modes aio,http --stall-log /tmp/stalls   # what stalls the loops
 
 Part 1, serving. Each row starts ``examples/tinygrad_digits/serve.py --mode <mode>`` (the digits
 CNN, the same weights and the same request bodies for every row) in its own process:
@@ -9,7 +10,8 @@ CNN, the same weights and the same request bodies for every row) in its own proc
 (a) ``blocking``: tinygrad's own CPU device, the jitted model called in the request handler;
 (b) ``executor``: the same, in a one-thread executor (what async services do today);
 (c) ``aio``:      AIO, ``await``ed, micro-batched (the example server);
-(d) ``http``:     a control: the same server answering without a model.
+(d) ``http``:     a control: the same server answering without a model;
+(e) ``aio2``:     as (c), with a model replica on each of ``AIO`` and ``AIO:1`` (``--devices``).
 
 Single-request latency: one client, one request at a time (median). Under load: 64 concurrent
 clients (bench/server.py's raw HTTP client), throughput, p50, p99, and the worst lag of a
@@ -223,9 +225,11 @@ async def main(args: argparse.Namespace) -> None:
         await per_call_and_verdicts(args, runs, med)
     if "aio" in selected and "aio2" in selected:
         one, two = med("aio", "throughput"), med("aio2", "throughput")
+        lags = [max(r["lag_ms"] for r in runs[m]) for m in ("aio2", "aio")]
         print(
             f"\n(e) two replicas (AIO, AIO:1): {two:.1f} req/s vs (c) one: {one:.1f} req/s "
-            f"({two / one:.2f}x); p99 {med('aio2', 'p99_ms'):.1f} vs {med('aio', 'p99_ms'):.1f} ms"
+            f"({two / one:.2f}x); p99 {med('aio2', 'p99_ms'):.1f} vs {med('aio', 'p99_ms'):.1f} ms; "
+            f"loop lag {lags[0]:.2f} vs {lags[1]:.2f} ms"
         )
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
