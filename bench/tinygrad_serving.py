@@ -22,6 +22,11 @@ thread per call, the call only (its work is enqueued, not waited for; the queue 
 every 100 calls), on tinygrad's CPU device and on AIO; and for AIO the loop thread's CPU per
 ``await aiotinyrt.tinygrad.call(...)`` (the call, the enqueue and the await).
 
+Part 3 (with row (e)), the model alone (in this process): the server's micro-batches (``copyin``
+and ``call_numpy`` of 32 images into a free slot) back to back on one replica (``AIO``) and on
+two (``AIO``, ``AIO:1``): what the devices could serve without the HTTP stack, and whether the
+second device adds to it.
+
 Targets (issue 16): (c) single-request latency no worse than (a); (c) throughput >= 1.5x (b)
 with p99 no worse; (c)'s loop lag over (d)'s <= 1 ms; AIO's per-call cost <= 0.5x CPU's. A
 benchmark, not a test: it prints PASS or MISS and exits 0.
@@ -63,6 +68,12 @@ assert _spec is not None and _spec.loader is not None
 server = sys.modules["bench_server"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(server)
 git_tree, raw_load = server.git_tree, server.raw_load
+EXAMPLE = ROOT / "examples" / "tinygrad_digits"
+sys.path.insert(0, str(EXAMPLE))  # (serve.py imports model.py and stalls.py from its folder)
+_spec = importlib.util.spec_from_file_location("tinygrad_digits_serve", EXAMPLE / "serve.py")
+assert _spec is not None and _spec.loader is not None
+digits = sys.modules["tinygrad_digits_serve"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(digits)
 
 #: row -> (label, serve.py's arguments)
 MODES = {
@@ -80,7 +91,7 @@ def bodies(count: int = 16) -> list[bytes]:
 
 
 async def start_server(mode: str, extra: list[str]) -> tuple[anyio.abc.Process, str]:
-    argv = [sys.executable, str(ROOT / "examples" / "tinygrad_digits" / "serve.py"), "--port", "0"]
+    argv = [sys.executable, str(EXAMPLE / "serve.py"), "--port", "0"]
     argv += [*MODES[mode][1], *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     process = await anyio.open_process(argv, env=env, stderr=None)
@@ -166,6 +177,59 @@ async def awaited_call_cpu(calls: int) -> float:
     return (time.thread_time() - t0) / calls
 
 
+async def model_alone(replicas: list[Any], batches: int) -> tuple[float, float]:
+    """Micro-batches of the example server (``copyin`` + ``call_numpy`` of 32 images into a free
+    slot), back to back, spread over ``replicas`` as the server does: images/s and the loop
+    thread's CPU milliseconds per micro-batch."""
+    pixels = np.zeros((replicas[0].inputs[0].shape[0], 64), np.float32)
+    freed = anyio.Event()
+
+    async def one(replica: Any, slot: int) -> None:
+        nonlocal freed
+        try:
+            await aiotg.copyin(replica.inputs[slot], pixels)
+            await aiotg.call_numpy(replica.forward, replica.inputs[slot])
+        finally:
+            replica.free.append(slot)
+            freed.set()
+
+    t0, c0 = time.perf_counter(), time.thread_time()
+    async with anyio.create_task_group() as tg:
+        for _ in range(batches):
+            while not any(r.free for r in replicas):
+                freed = anyio.Event()
+                await freed.wait()
+            replica = max(replicas, key=lambda r: len(r.free))
+            tg.start_soon(one, replica, replica.free.popleft())
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return batches * len(pixels) / wall, cpu / batches * 1e3
+
+
+async def two_devices(args: argparse.Namespace) -> None:
+    """Part 3: the model alone on one replica (AIO) and on two (AIO, AIO:1), interleaved."""
+    config = digits.ServerConfig()
+    replicas = []
+    for device in ("AIO", "AIO:1"):
+        replica = await anyio.to_thread.run_sync(digits.Replica, device, config.batch, config.slots)
+        await anyio.to_thread.run_sync(replica.warm_up)
+        replicas.append(replica)
+    results: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
+    for _ in range(3):
+        for count in (1, 2):
+            results[count].append(await model_alone(replicas[:count], args.batches))
+    print()
+    print(
+        f"The model alone: {args.batches} micro-batches of {config.batch} images back to back, "
+        f"{config.slots} slots per replica, median of 3 (interleaved)"
+    )
+    rows = [["replicas", "images/s", "loop thread CPU per micro-batch"]]
+    for count, label in ((1, "AIO"), (2, "AIO, AIO:1")):
+        rate = statistics.median(r[0] for r in results[count])
+        cpu = statistics.median(r[1] for r in results[count])
+        rows.append([label, f"{rate:.0f}", f"{cpu:.2f} ms"])
+    table(rows)
+
+
 async def main(args: argparse.Namespace) -> None:
     payloads = bodies()
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -231,6 +295,8 @@ async def main(args: argparse.Namespace) -> None:
             f"({two / one:.2f}x); p99 {med('aio2', 'p99_ms'):.1f} vs {med('aio', 'p99_ms'):.1f} ms; "
             f"loop lag {lags[0]:.2f} vs {lags[1]:.2f} ms"
         )
+    if "aio2" in selected:
+        await two_devices(args)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     print(f"\n{machine}, tree {git_tree()}, load average at the start {load_start}, at the end {load}")
@@ -296,11 +362,12 @@ def cli() -> None:
     parser.add_argument("--single", type=int, default=200)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--batches", type=int, default=300, help="micro-batches per run of part 3")
     parser.add_argument("--stall-log", help="folder: each server writes what stalled its loop there")
     parser.add_argument("--modes", default=",".join(MODES), help="which rows to run (comma-separated)")
     args = parser.parse_args()
     if args.quick:
-        args.reps, args.requests, args.single, args.calls = 1, 400, 100, 500
+        args.reps, args.requests, args.single, args.calls, args.batches = 1, 400, 100, 500, 100
     anyio.run(main, args)
 
 
