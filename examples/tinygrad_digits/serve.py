@@ -170,7 +170,8 @@ class Service:
         self.frozen = False
 
     async def start(self) -> None:
-        """Load the replicas and capture their jits, off the loop thread."""
+        """Load the replicas and capture their jits, off the loop thread; then freeze the heap
+        (:func:`freeze_heap`; :meth:`stop` gives it back)."""
         if self.config.mode in ("blocking", "executor"):
             self.direct = await anyio.to_thread.run_sync(Direct)
         for device in self.config.devices if self.config.mode == "aio" else ():
