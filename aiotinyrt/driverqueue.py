@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -256,6 +257,10 @@ class DriverQueue:
         try:
             event = self.driver.enqueue(fn, sig._args, waits, done)
         except BaseException as exc:  # the command fails; the queue goes on
+            # its traceback stays with the device's sticky error: not other commands' events
+            waits, found = (), []
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__.tb_next)
             self._report(((done, 0.0, exc),))
         else:
             self._events[value] = event

@@ -5,6 +5,7 @@ tests/conformance."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices
-from aiotinyrt.backends import cl_queue
+from aiotinyrt.backends import cl_build, cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.driverqueue import Done
@@ -220,6 +221,62 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
     for event in (gate, failing):
         cl.clReleaseEvent(event)
     await out.free()
+
+
+async def test_a_host_command_runs_after_the_commands_before_it_in_its_batch_completed() -> None:
+    dev = Device["CL"]
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    queue = dev._compute_queue
+    gate = cl.clCreateUserEvent(dev.context, err)
+    queue.submit(_user_event_command(gate), ())  # holds the waiter: what follows is one batch
+    kernel = prog(out)
+    seen: list[object] = []
+
+    def host() -> None:  # may even wait for an earlier command of its own queue
+        seen.append(kernel.done())
+        seen.append(kernel.wait_blocking(timeout=10))
+
+    ran = queue.submit(host, ())
+    cl.clSetUserEventStatus(gate, ocl.COMPLETE)
+    await ran
+    assert seen[0] is True and isinstance(seen[1], float)
+    cl.clReleaseEvent(gate)
+    await out.free()
+
+
+async def test_a_launch_after_one_whose_arguments_failed_sets_its_arguments_again() -> None:
+    dev = Device["CL"]
+    prog = await dev.program(
+        "cp", "__kernel void cp(__global int* d, __global const int* s) { d[0] = s[0]; }"
+    )
+    x, x2, y = [await Buffer("CL", 64, dtypes.int32).allocate() for _ in range(3)]
+    for buf, value in ((x, 0), (x2, 0), (y, 7)):
+        await buf.copyin(np.full(64, value, np.int32))
+    await prog(x, y)
+    with pytest.raises(DeviceError, match="CL_MISALIGNED_SUB_BUFFER_OFFSET"):
+        await prog(x2, y.view(1, dtypes.int32, 4))  # x2 is set as argument 0, then the view fails
+    await dev.reset()
+    await y.copyin(np.full(64, 9, np.int32))
+    await prog(x, y)  # the same arguments as the last launch that set them all
+    assert (await x.numpy())[0] == 9 and (await x2.numpy())[0] == 0
+    for buf in (x, x2, y):
+        await buf.free()
+
+
+def test_a_build_on_a_server_that_died_while_idle_is_run_on_a_fresh_one() -> None:
+    pool = cl_build.BuildPool(0, size=1)
+    try:
+        kernel = "__kernel void w{0}(__global int* a) {{ a[0] = {0}; }}"
+        pool.build(kernel.format(0))
+        for i in range(1, 4):
+            (server,) = pool._idle
+            os.kill(server.proc.pid, signal.SIGKILL)  # killed while idle, not reaped yet
+            assert pool.build(kernel.format(i))
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.kernel.name for c in CASES])

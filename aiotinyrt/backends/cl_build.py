@@ -102,18 +102,28 @@ class BuildPool:
             if server is not None and server.proc.poll() is not None:
                 server.close()  # (exited while idle)
                 server = None
+            reused = server is not None
             if server is None:
                 server = BuildServer(self.index)
-            try:
-                lib = server.build(src)
-            except ocl.CLError:  # the build's own failure: the server goes on
+            while True:
+                try:
+                    lib = server.build(src)
+                except ocl.CLError:  # the build's own failure: the server goes on
+                    self._put_back(server)
+                    raise
+                except CompileError:
+                    server.close()
+                    if not reused:
+                        raise
+                    # an idle server that died too recently to show (not reaped yet): the
+                    # build was never its; once more on a fresh server
+                    reused, server = False, BuildServer(self.index)
+                    continue
+                except BaseException:
+                    server.close()
+                    raise
                 self._put_back(server)
-                raise
-            except BaseException:
-                server.close()
-                raise
-            self._put_back(server)
-            return lib
+                return lib
 
     def _put_back(self, server: BuildServer) -> None:
         with self._lock:

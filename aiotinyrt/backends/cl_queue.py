@@ -76,7 +76,7 @@ class CLQueue:
                 return  # closed
             cl.clWaitForEvents(1, ffi.new("cl_event[1]", [item[0]]))  # (its status tells errors)
             pending.extend(items.get_nowait() for _ in range(items.qsize()))
-            batch = []
+            batch: list[tuple[Done, float, BaseException | None]] = []
             while (item := pending[0] if pending else None) is not None:
                 event, done, run = item
                 code = cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, NULL)
@@ -84,11 +84,14 @@ class CLQueue:
                     break  # not completed yet: the next batch starts with it
                 pending.popleft()
                 seconds, error = ocl.outcome(event, code or status[0], times)
-                if run is not None:  # a Python command: it runs now, later commands wait for it
-                    batch.append((done, *run(seconds, error)))
+                if run is not None:  # a Python command: the commands before it complete first
+                    del item, event  # (it may wait for them), then it runs; later ones wait
+                    if batch:
+                        report(batch)
+                    batch = [(done, *run(seconds, error))]
                     break
                 batch.append((done, seconds, error))
-            del item, event  # (the events go before the commands complete)
+            item = event = None  # (the events go before the commands complete)
             report(batch)
 
     def close(self) -> None:

@@ -176,6 +176,7 @@ class CLProgram(Program):
         cl, ev, kernel = ocl.lib(), self._ev, self._kernel
         with self._lock:
             if self._vals != vals or self._bufs != bufs:
+                self._bufs = None  # (until every argument is set: a failure part way leaves some)
                 for i, buf in enumerate(bufs):
                     check(
                         cl.clSetKernelArg(kernel, i, 8, buf.kernel_arg()), f"clSetKernelArg({self.name}, {i})"
