@@ -364,8 +364,8 @@ class DriverQueue:
                     taken.append((sig, seconds, error, ran))
                     value += 1
             for sig, seconds, error, ran in taken:
-                if error is None and ran:
-                    for dep in sig._deps:
+                if ran:  # (a driver that skips a command after a failed wait reports its own
+                    for dep in sig._deps:  # error for it: the dependency's failure is the cause)
                         dep_error = dep.error()
                         if dep_error is not None:  # (in the wait list, or earlier on this queue)
                             error = dependency_failed(device.name, dep.timeline.label, dep.value, dep_error)

@@ -279,6 +279,26 @@ def test_a_build_on_a_server_that_died_while_idle_is_run_on_a_fresh_one() -> Non
         pool.close()
 
 
+async def test_a_command_whose_wait_list_holds_a_failed_event_fails_as_not_run_because_of_it() -> None:
+    dev = Device["CL"]
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    failing = cl.clCreateUserEvent(dev.context, err)
+    failed = dev._compute_queue.submit(_user_event_command(failing), ())
+    # the launch on the other queue of the context: the failed event is in its wait list
+    fn, args = prog._launcher((out.handle(),), (1, 1, 1), None, ())
+    dependent = dev._copy_queue.submit(fn, args, (failed,))
+    cl.clSetUserEventStatus(failing, -5)
+    with pytest.raises(DeviceError, match=r"not run because a command it depends on failed \(CL/compute@"):
+        await dependent
+    assert failed.error() is dev._error
+    await dev.reset()
+    cl.clReleaseEvent(failing)
+    await out.free()
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.kernel.name for c in CASES])
 async def test_every_renderer_kernel_runs_on_cl_and_matches_the_cpu(case: Case) -> None:
     inputs = case.make_inputs()
