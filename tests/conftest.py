@@ -51,3 +51,17 @@ def _private_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         os.environ.pop("CACHEDB", None)
     else:
         os.environ["CACHEDB"] = old
+
+
+@pytest.fixture(autouse=True)
+def _keep_dev() -> Iterator[None]:
+    """tinygrad writes the default device it chose into ``DEV`` (for its child processes), and
+    aiotinyrt's ``Device.DEFAULT`` reads ``DEV``: a test that touched tinygrad's default must not
+    choose the default device of the tests after it."""
+    old = os.environ.get("DEV")
+    yield
+    if os.environ.get("DEV") != old:
+        if old is None:
+            os.environ.pop("DEV", None)
+        else:
+            os.environ["DEV"] = old
