@@ -70,6 +70,7 @@ async def test_pipeline_outputs_equal_running_the_stages_one_batch_at_a_time(
     assert not np.array_equal(expected[0], batches[0]), "the stages did nothing"
 
 
+@pytest.mark.slow
 def test_the_script_runs_and_prints_throughput() -> None:
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), "--batches", "4", "--size", "64", "--iters", "2"],

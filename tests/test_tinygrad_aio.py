@@ -43,6 +43,7 @@ def _expected(x: np.ndarray, w1: Tensor, w2: Tensor) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_aio_is_a_tinygrad_device_run_by_aiotinyrt() -> None:
     dev = TinyDevice[AIO]
     assert isinstance(dev, aiotg.AIODevice)
@@ -66,6 +67,7 @@ def test_copies_between_aio_devices_are_aiotinyrt_transfers() -> None:
     assert rt.Device["CPU:6"]._copy_queue.timeline.submitted > copies
 
 
+@pytest.mark.slow
 def test_a_captured_tinyjit_replays_as_one_queue_command_with_vals_substituted() -> None:
     f, w1, w2 = _mlp()
     compute = rt.Device[RT]._compute_queue.timeline
