@@ -18,7 +18,7 @@ from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
 from aiotinyrt.ray import client, wire
 from aiotinyrt.ray.host import Host
 from tests.helpers import fail_command
-from tests.ray_stand_in import StandIn
+from tests.ray_stand_in import Ref, StandIn
 
 pytestmark = pytest.mark.anyio
 
@@ -246,3 +246,52 @@ async def test_a_callable_failing_on_the_host_keeps_its_cause_and_fails_what_fol
     await prog(a)
     assert ((await a.numpy()) == 1).all()
     await a.free()
+
+
+async def test_a_batch_that_does_not_encode_fails_its_commands_and_the_stream_goes_on(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = Device["RAY:s2/CPU:4"]
+    buf = await _filled(dev.name, np.zeros(64, np.uint8))
+    real, fail = wire.encode, [True]
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("cannot serialize")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wire, "encode", encode)
+    with pytest.raises(DeviceError, match="cannot serialize"):  # its own cause, not "device lost"
+        await buf.copyin(np.ones(64, np.uint8))
+    await dev.reset()
+    with anyio.fail_after(30):  # (the sequence number was sent: later batches run)
+        await buf.copyin(np.full(64, 2, np.uint8))
+        assert ((await buf.numpy()) == 2).all()
+    await buf.free()
+
+
+async def test_a_reply_that_raises_fails_its_command_and_later_replies_still_arrive(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = Device["RAY:s2/CPU:5"]
+    assert isinstance(dev, client.RAYDevice)
+    big = 1 << 20  # (a copyout this large comes back as an object ref the client fetches)
+    buf = await _filled(dev.name, np.ones(big, np.uint8))
+    real, fail = stand_in.get, [True]
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if fail[0] and isinstance(ref, Ref):  # (the copyout's bytes, not a call's result)
+            fail[0] = False
+            raise RuntimeError("object lost")
+        return real(ref, timeout)
+
+    monkeypatch.setattr(stand_in, "get", get)
+    with anyio.fail_after(30):
+        with pytest.raises(DeviceError, match="object lost"):
+            await buf.copyout(np.empty(big, np.uint8))
+        await dev.reset()
+        await buf.view(16, dtypes.uint8).copyin(np.full(16, 3, np.uint8))
+        assert (await buf.numpy())[:16].tolist() == [3] * 16
+    assert dev.conn._waiter is not None and dev.conn._waiter.is_alive()
+    await buf.free()

@@ -19,6 +19,7 @@ or close. Closing a device releases every buffer it holds on the host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -123,9 +124,15 @@ class _Connection:
             _fail(replies, HostLost(lost))
             return
         try:
-            ref: Any = self.actor.run.remote(self.client, seq, *wire.encode(batch))
-        except Exception as exc:
-            _fail(replies, HostLost(f"host {self.host}: device lost ({exc!r})"))
+            args = wire.encode(batch)
+        except Exception as exc:  # (the commands fail as they are; the number still goes)
+            _fail(replies, exc)
+            batch, replies, args = [], [], wire.encode([])
+        try:
+            ref: Any = self.actor.run.remote(self.client, seq, *args)
+        except Exception as exc:  # the number never reached the host: nothing later can run
+            self.lost = f"host {self.host}: device lost ({exc!r})"
+            _fail(replies, HostLost(self.lost))
             return
         self._sent(ref, replies)
 
@@ -165,14 +172,16 @@ class _Connection:
             return
         try:
             batch = [make()]
+            args = wire.encode(batch, refs=True)
         except Exception as exc:  # (the put failed: this part fails; its sequence number still goes)
-            batch = []
+            batch, args = [], wire.encode([], refs=True)
             reply(None, exc)
         try:
-            ref: Any = self.actor.run.remote(self.client, seq, *wire.encode(batch, refs=True))
-        except Exception as exc:
+            ref: Any = self.actor.run.remote(self.client, seq, *args)
+        except Exception as exc:  # the number never reached the host: nothing later can run
+            self.lost = f"host {self.host}: device lost ({exc!r})"
             if batch:
-                reply(None, HostLost(f"host {self.host}: device lost ({exc!r})"))
+                reply(None, HostLost(self.lost))
             return
         self._sent(ref, [reply] if batch else [])
 
@@ -190,7 +199,10 @@ class _Connection:
                 continue
             for reply, result in zip(replies, results, strict=True):
                 if reply is not None:
-                    reply(result, None)
+                    try:
+                        reply(result, None)
+                    except Exception as exc:  # (fetching a copyout's bytes, say): this command
+                        _reply_failed(reply, exc)  # fails; the waiter goes on with the others
 
     def call(self, method: str, *args: Any) -> Any:
         """A ref of one direct actor call (not part of the command stream)."""
@@ -249,6 +261,13 @@ def _soon(fn: Callable[[], None]) -> None:
         trio.lowlevel.current_trio_token().run_sync_soon(fn)
     else:
         fn()
+
+
+def _reply_failed(reply: Reply, exc: BaseException) -> None:
+    """A reply handler raised: its command fails with that error (a handler that had already
+    completed its command before raising completes nothing twice: see ``_reply``)."""
+    with contextlib.suppress(Exception):
+        reply(None, exc)
 
 
 def _fail(replies: Sequence[Reply | None], error: BaseException) -> None:
@@ -440,9 +459,18 @@ class _QueueDriver:
 
 def _reply(device: RAYDevice, done: Done, out: Any = None) -> Reply:
     """The reply handler of one command: its entry (see :mod:`aiotinyrt.ray.wire`) to ``done``;
-    a copyout's bytes (small ones in the entry, else an object ref) land in ``out``."""
+    a copyout's bytes (small ones in the entry, else an object ref) land in ``out``. Calls
+    ``done`` at most once, even when called again after it raised (see ``_reply_failed``)."""
+    reported = False
+
+    def once(seconds: float, error: BaseException | None) -> None:
+        nonlocal reported
+        if not reported:
+            reported = True
+            done(seconds, error)
 
     def reply(result: Any, error: BaseException | None) -> None:
+        done = once
         if error is not None:
             done(0.0, error)
             return
