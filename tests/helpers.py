@@ -728,3 +728,16 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
+
+
+def loop_name(anyio_backend: Any) -> str:
+    """The event loop an ``anyio_backend`` parameter names: asyncio, trio or uvloop."""
+    name, options = anyio_backend
+    return "uvloop" if options.get("use_uvloop") else str(name)
+
+
+async def filled_buffer(device: str, values: np.ndarray[Any, Any]) -> Buffer:
+    """A buffer on ``device`` of ``values``' size and dtype, holding them."""
+    buf = await Buffer(device, values.size, dtypes.from_name(str(values.dtype))).allocate()
+    await buf.copyin(values)
+    return buf

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
+from tests.helpers import filled_buffer, loop_name  # noqa: E402
 from tests.ray_cluster import STORE_BYTES  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # (they need the local Ray cluster)
@@ -44,24 +45,13 @@ def host(ray_host: str) -> str:
     return ray_host
 
 
-def _backend_id(anyio_backend: Any) -> str:
-    name, options = anyio_backend
-    return "uvloop" if options.get("use_uvloop") else name
-
-
-async def _filled(device: str, values: np.ndarray[Any, Any]) -> Buffer:
-    buf = await Buffer(device, values.size, dtypes.from_name(str(values.dtype))).allocate()
-    await buf.copyin(values)
-    return buf
-
-
 async def test_bit_exact_against_local_cpu(host: str) -> None:
     x = np.random.default_rng(7).standard_normal(N).astype(np.float32)
     outs = []
     for name in ("CPU", f"RAY:{host}/CPU"):
         dev = Device[name]
         prog = await dev.program("poly", FLOAT_SRC)
-        a = await _filled(name, x)
+        a = await filled_buffer(name, x)
         b = await Buffer(name, N, dtypes.float32).allocate()
         await prog(a, b, vals=(N,))
         out = np.empty(N, np.float32)
@@ -76,7 +66,7 @@ async def test_bit_exact_against_local_cpu(host: str) -> None:
 async def test_one_actor_call_per_loop_turn(host: str) -> None:
     dev = Device[f"RAY:{host}/CPU"]
     prog = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.zeros(N, np.int32))
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     await prog(a)  # (the program is on the host now)
     calls = dev.conn.calls
     sigs = [prog(a) for _ in range(50)]
@@ -93,11 +83,11 @@ async def test_one_actor_call_per_loop_turn(host: str) -> None:
 async def test_views_and_wait_for_local_device(host: str) -> None:
     dev = Device[f"RAY:{host}/CPU:1"]
     prog = await dev.program("add1", ADD_SRC)
-    base = await _filled(dev.name, np.arange(2 * N, dtype=np.int32))
+    base = await filled_buffer(dev.name, np.arange(2 * N, dtype=np.int32))
     view = base.view(N, dtypes.int32, offset=N * 4)
     local = Device["CPU"]
     lprog = await local.program("add1", ADD_SRC)
-    lbuf = await _filled("CPU", np.zeros(N, np.int32))
+    lbuf = await filled_buffer("CPU", np.zeros(N, np.int32))
     first = lprog(lbuf)
     sig = prog(view, wait_for=[first])  # a local dependency: held back, not waited for here
     await sig
@@ -114,7 +104,7 @@ async def test_views_and_wait_for_local_device(host: str) -> None:
 async def test_cancelled_wait_leaves_remote_work_running(host: str) -> None:
     dev = Device[f"RAY:{host}/CPU"]
     prog = await dev.program("slow", SLOW_SRC)
-    a = await _filled(dev.name, np.full(1, 40, np.int32))
+    a = await filled_buffer(dev.name, np.full(1, 40, np.int32))
     b = await Buffer(dev.name, 1, dtypes.int32).allocate()
     sig = prog(a, b)
     with anyio.CancelScope() as scope:
@@ -134,7 +124,7 @@ async def test_close_releases_every_remote_buffer(host: str) -> None:
     name = f"RAY:{host}/CPU:2"
     dev = Device[name]
     before = await dev.statistics()
-    bufs = [await _filled(name, np.full(N, i, np.int32)) for i in range(4)]
+    bufs = [await filled_buffer(name, np.full(N, i, np.int32)) for i in range(4)]
     during = await dev.statistics()
     assert during["bytes_in_use"] == before["bytes_in_use"] + 4 * N * 4
     await bufs[0].free()  # freed by the user; the other three only by closing
@@ -145,12 +135,12 @@ async def test_close_releases_every_remote_buffer(host: str) -> None:
 
 
 async def test_killed_host_fails_pending_work_until_reset(host: str, anyio_backend: Any) -> None:
-    victim = f"victim-{_backend_id(anyio_backend)}"
+    victim = f"victim-{loop_name(anyio_backend)}"
     actor = airay.start_host(victim)
     await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
     dev = Device[f"RAY:{victim}/CPU"]
     prog = await dev.program("spin", SPIN_SRC)
-    flag = await _filled(dev.name, np.zeros(1, np.int32))
+    flag = await filled_buffer(dev.name, np.zeros(1, np.int32))
     sig = prog(flag)  # never completes on its own
     await anyio.sleep(0)  # (sent)
     ray.kill(actor)
@@ -162,7 +152,7 @@ async def test_killed_host_fails_pending_work_until_reset(host: str, anyio_backe
     await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
     await dev.reset()
     add = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.full(N, 2, np.int32))
+    a = await filled_buffer(dev.name, np.full(N, 2, np.int32))
     await add(a)
     out = np.empty(N, np.int32)
     await a.copyout(out)
@@ -197,7 +187,7 @@ async def test_copy_from_host_to_host(host: str) -> None:
         actor = airay.start_host(other)
         await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
     x = np.random.default_rng(3).integers(-(2**31), 2**31, N, dtype=np.int32)
-    src = await _filled(f"RAY:{host}/CPU", x)
+    src = await filled_buffer(f"RAY:{host}/CPU", x)
     for name in (f"RAY:{host}/CPU:1", f"RAY:{other}/CPU"):  # same host, then another host
         dst = await Buffer(name, N, dtypes.int32).allocate()
         src_copies = src.device_obj.queues["copy"].timeline.submitted
@@ -230,7 +220,7 @@ async def test_copy_from_between_hosts_on_two_nodes_is_bit_exact(ray_cluster: An
         nodes = await anyio.to_thread.run_sync(ray.get, [head.node.remote(), far.node.remote()])
         assert nodes[0] != nodes[1] and nodes[1] == node.node_id  # a host on each node
         x = np.random.default_rng(11).integers(-(2**31), 2**31, 1 << 18, dtype=np.int32)  # 1 MiB
-        a = await _filled("RAY:n1/CPU", x)
+        a = await filled_buffer("RAY:n1/CPU", x)
         b = await Buffer("RAY:n2/CPU", x.size, dtypes.int32).allocate()
         back = await Buffer("RAY:n1/CPU:1", x.size, dtypes.int32).allocate()
         await b.copy_from(a)  # head node to the second node

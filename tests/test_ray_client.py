@@ -17,7 +17,7 @@ pytest.importorskip("ray")  # (imported, never started)
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
 from aiotinyrt.ray import client, wire
 from aiotinyrt.ray.host import Host
-from tests.helpers import fail_command
+from tests.helpers import fail_command, filled_buffer, loop_name
 from tests.ray_stand_in import Ref, StandIn
 
 pytestmark = pytest.mark.anyio
@@ -43,21 +43,10 @@ def stand_in() -> Iterator[StandIn]:
     fake.close()
 
 
-def _backend_id(anyio_backend: Any) -> str:
-    name, options = anyio_backend
-    return "uvloop" if options.get("use_uvloop") else name
-
-
-async def _filled(device: str, values: np.ndarray[Any, Any]) -> Buffer:
-    buf = await Buffer(device, values.size, dtypes.from_name(str(values.dtype))).allocate()
-    await buf.copyin(values)
-    return buf
-
-
 async def test_a_loop_turn_of_launches_is_one_call_and_runs_in_order(stand_in: StandIn) -> None:
     dev = Device["RAY:s1/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.zeros(N, np.int32))
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     await prog(a)
     calls = stand_in.calls.get("run", 0)
     sigs = [prog(a) for _ in range(50)]
@@ -75,7 +64,7 @@ async def test_a_long_turn_sends_a_call_every_batch_limit_commands(
     monkeypatch.setattr(client, "BATCH_LIMIT", 8)
     dev = Device["RAY:s1/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.zeros(N, np.int32))
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     calls = stand_in.calls.get("run", 0)
     sigs = [prog(a) for _ in range(20)]
     assert stand_in.calls["run"] == calls + 2  # two full batches sent while submitting
@@ -91,7 +80,7 @@ async def test_copies_are_bit_exact_and_large_ones_go_through_the_store(
 ) -> None:
     dev = Device["RAY:s1/CPU:6"]
     x = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-    buf = await _filled(dev.name, x)
+    buf = await filled_buffer(dev.name, x)
     puts = stand_in.puts
     out = np.empty(nbytes, np.uint8)
     await buf.copyout(out)
@@ -106,7 +95,7 @@ async def test_copies_are_bit_exact_and_large_ones_go_through_the_store(
 
 async def test_copy_from_another_host_moves_the_bytes_host_to_host(stand_in: StandIn) -> None:
     x = np.random.default_rng(3).integers(-(2**31), 2**31, 1 << 16, dtype=np.int32)
-    src = await _filled("RAY:s1/CPU:6", x)
+    src = await filled_buffer("RAY:s1/CPU:6", x)
     for name in ("RAY:s1/CPU:7", "RAY:s2/CPU:6"):  # same host, then another host
         dst = await Buffer(name, x.size, dtypes.int32).allocate()
         copies = src.device_obj.queues["copy"].timeline.submitted
@@ -123,7 +112,7 @@ async def test_a_failing_command_names_the_host_and_is_sticky_until_reset(stand_
     dev = Device["RAY:s1/CPU:7"]
     assert isinstance(dev, client.RAYDevice)
     prog = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.zeros(N, np.int32))
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     unknown = client.RemoteProgram(dev, "add1", prog.lib)
     unknown.key = "nothing"
     dev.conn.loaded.add((dev.remote_name, "nothing"))  # a launch of a program the host never got
@@ -140,11 +129,11 @@ async def test_a_failing_command_names_the_host_and_is_sticky_until_reset(stand_
 async def test_a_killed_host_fails_pending_work_until_reset_reconnects(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = f"k-{_backend_id(anyio_backend)}"
+    name = f"k-{loop_name(anyio_backend)}"
     stand_in.start(name)
     dev = Device[f"RAY:{name}/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.zeros(N, np.int32))
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     stand_in.hold(name)
     sig = prog(a)
     await anyio.sleep(0)  # (sent: the call is pending on the host)
@@ -155,7 +144,7 @@ async def test_a_killed_host_fails_pending_work_until_reset_reconnects(
         await prog(a)
     stand_in.start(name)
     await dev.reset()
-    b = await _filled(dev.name, np.full(N, 2, np.int32))
+    b = await filled_buffer(dev.name, np.full(N, 2, np.int32))
     await prog(b)
     assert ((await b.numpy()) == 3).all()
     await dev.aclose()
@@ -165,7 +154,7 @@ async def test_close_releases_every_buffer_on_the_host(stand_in: StandIn) -> Non
     dev = Device["RAY:s2/CPU:7"]
     assert isinstance(dev, client.RAYDevice)
     before = await dev.statistics()
-    bufs = [await _filled(dev.name, np.full(N, i, np.int32)) for i in range(3)]
+    bufs = [await filled_buffer(dev.name, np.full(N, i, np.int32)) for i in range(3)]
     assert (await dev.statistics())["bytes_in_use"] == before["bytes_in_use"] + 3 * N * 4
     await bufs[0].free()
     await dev.aclose()
@@ -232,7 +221,7 @@ async def test_a_callable_failing_on_the_host_keeps_its_cause_and_fails_what_fol
 ) -> None:
     dev = Device["RAY:s2/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
-    a = await _filled(dev.name, np.zeros(N, np.int32))
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     failed = fail_command(dev)  # a Python callable: pickled, run on the host's queue
     behind = [prog(a) for _ in range(3)]  # in the same call, after it
     with pytest.raises(DeviceError) as info:
@@ -252,7 +241,7 @@ async def test_a_batch_that_does_not_encode_fails_its_commands_and_the_stream_go
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev = Device["RAY:s2/CPU:4"]
-    buf = await _filled(dev.name, np.zeros(64, np.uint8))
+    buf = await filled_buffer(dev.name, np.zeros(64, np.uint8))
     real, fail = wire.encode, [True]
 
     def encode(*args: Any, **kwargs: Any) -> Any:
@@ -277,7 +266,7 @@ async def test_a_reply_that_raises_fails_its_command_and_later_replies_still_arr
     dev = Device["RAY:s2/CPU:5"]
     assert isinstance(dev, client.RAYDevice)
     big = 1 << 20  # (a copyout this large comes back as an object ref the client fetches)
-    buf = await _filled(dev.name, np.ones(big, np.uint8))
+    buf = await filled_buffer(dev.name, np.ones(big, np.uint8))
     real, fail = stand_in.get, [True]
 
     def get(ref: Any, timeout: float | None = None) -> Any:
