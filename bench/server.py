@@ -127,16 +127,24 @@ async def start_server(mode: str, args: argparse.Namespace) -> tuple[anyio.abc.P
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if mode == "numpy":  # one BLAS thread: with 2 cores its spinning threads starve everything else
         env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return await launch_server(argv, env, mode, 120)
+
+
+async def launch_server(
+    argv: list[str], env: dict[str, str], what: str, timeout: float
+) -> tuple[anyio.abc.Process, str]:
+    """Start a server process and wait (at most ``timeout`` s) for its "serving ... on URL" line;
+    the process and the URL."""
     process = await anyio.open_process(argv, env=env, stderr=None)
     assert process.stdout is not None
     output = ""
-    with anyio.fail_after(120):
+    with anyio.fail_after(timeout):
         async for chunk in anyio.streams.text.TextReceiveStream(process.stdout):
             output += chunk
             if "\n" in output.partition("serving")[2]:
                 break
     if "serving" not in output:
-        raise RuntimeError(f"the {mode} server did not start:\n{output}")
+        raise RuntimeError(f"the {what} server did not start:\n{output}")
     return process, output.partition(" on ")[2].split()[0]
 
 

@@ -94,17 +94,8 @@ async def start_server(mode: str, extra: list[str]) -> tuple[anyio.abc.Process, 
     argv = [sys.executable, str(EXAMPLE / "serve.py"), "--port", "0"]
     argv += [*MODES[mode][1], *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    process = await anyio.open_process(argv, env=env, stderr=None)
-    assert process.stdout is not None
-    output = ""
-    with anyio.fail_after(600):
-        async for chunk in anyio.streams.text.TextReceiveStream(process.stdout):
-            output += chunk
-            if "\n" in output.partition("serving")[2]:
-                break
-    if "serving" not in output:
-        raise RuntimeError(f"the {mode} server did not start:\n{output}")
-    return process, output.partition(" on ")[2].split()[0]
+    process, url = await server.launch_server(argv, env, mode, 600)
+    return process, url
 
 
 async def one_run(mode: str, args: argparse.Namespace, payloads: list[bytes], rep: int) -> dict[str, float]:

@@ -136,7 +136,7 @@ def test_a_compile_cancelled_before_it_started_starts_no_process() -> None:
     assert result.returncode < 0 and set(ccprocess._LIVE) == live and runner._standby is None
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (apt-get install -y gcc)")
 async def test_gcc_compiles_the_same_way_and_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
