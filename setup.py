@@ -14,8 +14,8 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 NATIVE = Path("aiotinyrt") / "native"
-SOURCES = ("hostq.c", "pyext.c", "replay.c")
-HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h")
+SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c")
+HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h")
 
 
 def source_digest() -> str:

@@ -247,6 +247,27 @@ async def test_a_host_command_runs_after_the_commands_before_it_in_its_batch_com
     await out.free()
 
 
+async def test_thousands_of_commands_in_flight_complete_in_order() -> None:
+    """More events than the native completion ring's first 1,024 slots are in flight at once (a
+    user event holds the waiter on the first): the ring grows and every command completes."""
+    dev = Device["CL"]
+    queue = dev._compute_queue
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    gate = cl.clCreateUserEvent(dev.context, err)
+    held = queue.submit(_user_event_command(gate), ())
+    sigs = [prog(out) for _ in range(3000)]
+    assert not held.done() and not any(s.done() for s in sigs)
+    cl.clSetUserEventStatus(gate, ocl.COMPLETE)
+    await sigs[-1]
+    assert all(s.done() and s.error() is None for s in sigs)
+    assert (await out.numpy())[0] == 3000
+    cl.clReleaseEvent(gate)
+    await out.free()
+
+
 async def test_a_launch_after_one_whose_arguments_failed_sets_its_arguments_again() -> None:
     dev = Device["CL"]
     prog = await dev.program(

@@ -466,9 +466,10 @@ async def test_closing_a_device_fails_the_native_launches_it_did_not_run() -> No
 @pytest.mark.slow
 def test_the_python_worker_passes_the_queue_tests_too() -> None:
     """NATIVE_QUEUE=0: the pure-Python worker (the fallback without a C compiler) runs the test
-    modules that exercise queues, signals, ordering and faults, in a fresh interpreter."""
+    modules that exercise queues, signals, ordering and faults, and the CL backend (whose waiter
+    then runs in Python), in a fresh interpreter."""
     env = dict(os.environ, NATIVE_QUEUE="0")
-    modules = [f"tests/test_{name}.py" for name in ("signals", "ordering", "faults", "null")]
+    modules = [f"tests/test_{name}.py" for name in ("signals", "ordering", "faults", "null", "cl")]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *modules],
         cwd=ROOT,

@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from aiotinyrt import native
 from aiotinyrt.backends import opencl as ocl
-from aiotinyrt.backends.opencl import check, ffi
+from aiotinyrt.backends.opencl import CLError, check, ffi
 from aiotinyrt.driverqueue import Done, report
 from aiotinyrt.graph import _join, _run_calls
 
@@ -44,9 +45,30 @@ def cl_command(fn: Command) -> Command:
     return fn
 
 
+#: How the waiter thread runs a Python command once its marker completed.
+Run = Callable[[float, BaseException | None], tuple[float, BaseException | None]]
 #: What the waiter thread is handed per command: its event, its ``done``, and for a Python
 #: command the function that runs it (None for an OpenCL command).
-Item = tuple[Any, Done, Callable[[float, BaseException | None], tuple[float, BaseException | None]] | None]
+Item = tuple[Any, Done, Run | None]
+
+
+def _ring(lib: Any, cl: Any) -> Any:
+    """A native completion ring (aiotinyrt/native/clq.c, in the native library ``lib``) over the
+    loader ``cl``'s entry points, freed with its owner."""
+    entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, name))) for name in _ENTRY_POINTS]
+    ring = lib.clq_new(*entry)
+    if ring == native.ffi.NULL:
+        raise MemoryError("CL: no memory for a queue's completion ring")
+    return native.ffi.gc(ring, lib.clq_free)
+
+
+_ENTRY_POINTS = (
+    "clWaitForEvents",
+    "clGetEventInfo",
+    "clGetEventProfilingInfo",
+    "clRetainEvent",
+    "clReleaseEvent",
+)
 
 
 class CLQueue:
@@ -54,12 +76,16 @@ class CLQueue:
 
     def __init__(self, name: str, context: Any, device_id: Any) -> None:
         cl, err = ocl.lib(), ffi.new("cl_int*")
-        self.context = context
+        self.name, self.context = name, context
         q = cl.clCreateCommandQueue(context, device_id, ocl.QUEUE_PROFILING_ENABLE, err)
         check(err[0], "clCreateCommandQueue")
         self.queue = ffi.gc(q, cl.clReleaseCommandQueue)
         self._events: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
-        self._waiter = threading.Thread(target=self._wait, name=f"cl-waiter-{name}", daemon=True)
+        self._native = native.load()  # (None: the waiter runs in Python)
+        self._ring = None if self._native is None else _ring(self._native, cl)
+        self._items: deque[tuple[Done, Run | None]] = deque()
+        wait = self._wait if self._ring is None else self._wait_ring
+        self._waiter = threading.Thread(target=wait, name=f"cl-waiter-{name}", daemon=True)
         self._waiter.start()
 
     def _wait(self) -> None:
@@ -94,9 +120,44 @@ class CLQueue:
             item = event = None  # (the events go before the commands complete)
             report(batch)
 
+    def _wait_ring(self) -> None:
+        """The waiter thread on the native ring (:func:`_ring`): one C call per batch waits for
+        the oldest event and reads the completed prefix's statuses and times (GIL released);
+        the batch's commands are ``_items``' first ones, in the same order."""
+        ring, items, lib = self._ring, self._items, self._native
+        status, seconds = native.ffi.new("int32_t[256]"), native.ffi.new("double[256]")
+        while (n := lib.clq_wait(ring, 256, status, seconds)) >= 0:
+            batch: list[tuple[Done, float, BaseException | None]] = []
+            for i in range(n):
+                done, run = items.popleft()
+                code = status[i]
+                error = None if code == 0 else CLError("a command's event (execution status)", code)
+                if run is not None:  # a Python command: the commands before it complete first
+                    if batch:
+                        report(batch)
+                    batch = [(done, *run(seconds[i], error))]
+                    report(batch)
+                    batch = []
+                else:
+                    batch.append((done, seconds[i], error))
+            if batch:
+                report(batch)
+
     def close(self) -> None:
         """Stop the waiter thread after the events handed to it."""
+        if self._ring is not None:
+            self._native.clq_close(self._ring)
         self._events.put(None)
+
+    def _hand(self, event: Any, done: Done, run: Run | None) -> None:
+        """Give the waiter thread a command's event (the ring keeps its own reference)."""
+        if self._ring is None:
+            self._events.put((event, done, run))
+            return
+        self._items.append((done, run))  # (before the ring has the event: the waiter pops both)
+        if self._native.clq_push(self._ring, event) != 0:
+            self._items.pop()
+            raise MemoryError(f"{self.name}: no memory for the completion ring (or the queue is closed)")
 
     def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
         """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
@@ -117,7 +178,7 @@ class CLQueue:
         else:
             return self._host(fn, args, n, wl, done)
         event = ffi.gc(event, cl.clReleaseEvent)
-        self._events.put((event, done, None))
+        self._hand(event, done, None)
         return event
 
     def _host(self, fn: Command, args: tuple[Any, ...], n: int, wl: Any, done: Done) -> Any:
@@ -142,5 +203,5 @@ class CLQueue:
             cl.clSetUserEventStatus(user, ocl.COMPLETE)
             return time.perf_counter() - start, error
 
-        self._events.put((marker_event, done, run))
+        self._hand(marker_event, done, run)
         return user

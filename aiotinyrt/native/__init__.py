@@ -72,10 +72,11 @@ from aiotinyrt import cachedir
 from aiotinyrt.helpers import cache_path, debug_level, find_cc, get_logger, getenv, getenv_str
 
 _DIR = Path(__file__).parent
-#: The files of the library: the ring and run loop, and the extension module's two files.
-_RING_SOURCES = ("hostq.c",)
-_PY_SOURCES = ("hostq.c", "pyext.c", "replay.c")
-_HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h")
+#: The files of the library: the ring and run loop, a CL queue's completion ring (clq.c, used by
+#: aiotinyrt/backends/cl_queue.py), and the extension module's two files.
+_RING_SOURCES = ("hostq.c", "clq.c")
+_PY_SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c")
+_HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h")
 #: The C flags of every build (setup.py's and the first-use one).
 CFLAGS = ("-O2", "-pthread", "-Wall", "-Wextra", "-Werror")
 SANITIZE_FLAGS = (
@@ -96,6 +97,7 @@ def _header() -> tuple[dict[str, int], str]:
             constants[match.group(1)] = int(match.group(2))
         elif not line.startswith("#"):
             decls.append(line)
+    decls.append((_DIR / "clq.h").read_text())
     return constants, "\n".join(decls)
 
 

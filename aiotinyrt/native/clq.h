@@ -1,0 +1,9 @@
+/* The completion ring of a CL queue (clq.c), as Python sees it: plain declarations that
+   aiotinyrt/native/__init__.py hands to cffi's cdef (no preprocessor lines below this one). */
+typedef struct clq clq_t;
+clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, uintptr_t retain,
+               uintptr_t release);
+void clq_free(clq_t *q);
+int clq_push(clq_t *q, void *event);
+int clq_wait(clq_t *q, int max, int32_t *status, double *seconds);
+void clq_close(clq_t *q);
