@@ -10,7 +10,8 @@ same order, so slow phases of a noisy machine hit all columns alike. The kernel 
 raw binding, and whether two builds of distinct kernels overlap: on two threads of one process
 (they take turns on a lock inside PoCL) or in two compile-server processes. Process CPU rows
 count every thread of this process (PoCL's, the waiters): other processes' load does not
-inflate them as it does wall time. Prints one
+inflate them as it does wall time; the submitting thread's CPU rows count the enqueuing
+thread alone (pyopencl's loop; aiotinyrt's launches while the waiter is held). Prints one
 markdown table. Needs pyopencl for its rows (``pip install pyopencl``); tinygrad's rows appear
 when ``tinygrad.runtime.ops_cl`` imports.
 """
@@ -54,10 +55,11 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
     kernel.set_arg(0, buf)
     g = (1,)
     q.finish()
-    t, cpu = time.perf_counter(), time.process_time()
+    t, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(n):
         cl.enqueue_nd_range_kernel(q, kernel, g, None)
     s.add("pyopencl|pipelined launch (us)", (time.perf_counter() - t) / n * 1e6)
+    s.add("pyopencl|pipelined launch, submitting thread's CPU (us)", (time.thread_time() - own) / n * 1e6)
     q.finish()  # (the CPU row counts the kernels' execution too, as aiotinyrt's does)
     s.add(
         "pyopencl|pipelined launch, process CPU to the last completed (us)",
@@ -163,10 +165,11 @@ async def batch_rows(s: Samples, dev: Any, prog: Any, buf: Buffer, n: int) -> No
 
     compute = dev._compute_queue
     compute.submit(held, ())
-    cpu = time.process_time()
+    cpu, own = time.process_time(), time.thread_time()
     for _ in range(n - 1):
         prog(buf)
     last = prog(buf)
+    s.add("aiotinyrt|submission alone, submitting thread's CPU (us)", (time.thread_time() - own) / n * 1e6)
     cl.clFinish(compute.driver.queue)
     s.add("aiotinyrt|submission alone + device, process CPU (us)", (time.process_time() - cpu) / n * 1e6)
     cpu = time.process_time()

@@ -268,6 +268,52 @@ async def test_thousands_of_commands_in_flight_complete_in_order() -> None:
     await out.free()
 
 
+class _RingFull:
+    """The native library with clq_push refusing every event (as when out of memory)."""
+
+    def __init__(self, lib: object) -> None:
+        self.lib = lib
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.lib, name)
+
+    def clq_push(self, ring: object, event: object) -> int:
+        return -1
+
+
+async def test_a_command_the_completion_ring_refuses_fails_after_the_device_is_done_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launch is enqueued before its event is handed over: if the ring refuses the event, the
+    command fails only once the device finished with its memory, and a refused Python command
+    does not hold the queue's later commands behind its barrier."""
+    dev = Device["CL"]
+    queue = dev._compute_queue
+    if queue.driver._ring is None:  # type: ignore[attr-defined]
+        pytest.skip("NATIVE_QUEUE=0: no completion ring (the Python waiter takes every event)")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    driver, ran = queue.driver, []
+    monkeypatch.setattr(driver, "_native", _RingFull(driver._native))  # type: ignore[attr-defined]
+    host = queue.submit(lambda: ran.append(True), ())
+    monkeypatch.undo()
+    with pytest.raises(DeviceError, match="completion ring"):
+        await host
+    await dev.reset()
+    after = prog(out)
+    await after.wait(timeout=30)  # (behind the refused command's barrier, had it stayed shut)
+    monkeypatch.setattr(driver, "_native", _RingFull(driver._native))  # type: ignore[attr-defined]
+    refused = prog(out)
+    monkeypatch.undo()
+    assert refused.done()  # failed at once, having waited for the kernel
+    with pytest.raises(DeviceError, match="completion ring"):
+        await refused
+    await dev.reset()
+    assert (await out.numpy())[0] == 2 and not ran
+    await out.free()
+
+
 async def test_a_launch_after_one_whose_arguments_failed_sets_its_arguments_again() -> None:
     dev = Device["CL"]
     prog = await dev.program(

@@ -157,6 +157,8 @@ class CLQueue:
         self._items.append((done, run))  # (before the ring has the event: the waiter pops both)
         if self._native.clq_push(self._ring, event) != 0:
             self._items.pop()
+            # the command is enqueued: it fails, but only once the device is done with its memory
+            ocl.lib().clWaitForEvents(1, ffi.new("cl_event[1]", [event]))
             raise MemoryError(f"{self.name}: no memory for the completion ring (or the queue is closed)")
 
     def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
@@ -203,5 +205,9 @@ class CLQueue:
             cl.clSetUserEventStatus(user, ocl.COMPLETE)
             return time.perf_counter() - start, error
 
-        self._hand(marker_event, done, run)
+        try:
+            self._hand(marker_event, done, run)
+        except BaseException:
+            cl.clSetUserEventStatus(user, ocl.COMPLETE)  # (it fails unrun; the queue goes on)
+            raise
         return user
