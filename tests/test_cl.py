@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices
+from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_available_devices, native
 from aiotinyrt.backends import cl_build, cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
@@ -277,7 +277,7 @@ class _RingFull:
     def __getattr__(self, name: str) -> object:
         return getattr(self.lib, name)
 
-    def clq_push(self, ring: object, event: object) -> int:
+    def clq_push(self, ring: object, event: object, tag: int) -> int:
         return -1
 
 
@@ -312,6 +312,65 @@ async def test_a_command_the_completion_ring_refuses_fails_after_the_device_is_d
     await dev.reset()
     assert (await out.numpy())[0] == 2 and not ran
     await out.free()
+
+
+class _InterruptedPush(_RingFull):
+    """The native library with clq_push interrupted once before it ran (as by a Ctrl-C)."""
+
+    def clq_push(self, ring: object, event: object, tag: int) -> int:
+        raise KeyboardInterrupt
+
+
+async def test_a_hand_over_interrupted_before_the_ring_took_the_event_shifts_no_completion(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The waiter's deque has the command and the ring has not: that entry is dropped, and the
+    commands after it get their own events' completions."""
+    dev = Device["CL"]
+    queue = dev._compute_queue
+    if queue.driver._ring is None:  # type: ignore[attr-defined]
+        pytest.skip("NATIVE_QUEUE=0: no completion ring (the Python waiter takes every event)")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    driver = queue.driver
+    monkeypatch.setattr(driver, "_native", _InterruptedPush(driver._native))  # type: ignore[attr-defined]
+    interrupted = prog(out)
+    monkeypatch.undo()
+    with pytest.raises(DeviceError):
+        await interrupted
+    await dev.reset()
+    sigs = [prog(out) for _ in range(3)]
+    for sig in sigs:
+        await sig.wait(timeout=30)  # (each got the one before it's completion, the last none)
+    assert (await out.numpy())[0] == 4  # (the interrupted launch was enqueued, and ran)
+    await out.free()
+
+
+def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_has() -> None:
+    """clq_wait with a wait that fails at once (the driver's error) returns no completion while
+    the event is still queued, sleeping between calls, and reports it once it completed."""
+    lib, cl, err = native.load(), ocl.lib(), ffi.new("cl_int*")
+    if lib is None:
+        pytest.skip("NATIVE_QUEUE=0: no completion ring")
+    failing = native.ffi.callback("int(uint32_t, void*)", lambda n, events: -5)
+    entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, n))) for n in cl_queue._ENTRY_POINTS]
+    entry[0] = int(native.ffi.cast("uintptr_t", failing))
+    ring = native.ffi.gc(lib.clq_new(*entry), lib.clq_free)
+    event = cl.clCreateUserEvent(Device["CL"].context, err)  # type: ignore[attr-defined]
+    assert lib.clq_push(ring, event, 7) == 0
+    status, seconds, tags = (
+        native.ffi.new("int32_t[4]"),
+        native.ffi.new("double[4]"),
+        native.ffi.new("int64_t[4]"),
+    )
+    assert lib.clq_wait(ring, 4, status, seconds, tags) == 0  # (still queued: nothing reported)
+    cl.clSetUserEventStatus(event, ocl.COMPLETE)
+    assert lib.clq_wait(ring, 4, status, seconds, tags) == 1
+    assert (status[0], tags[0]) == (0, 7)
+    lib.clq_close(ring)
+    assert lib.clq_wait(ring, 4, status, seconds, tags) == -1
+    cl.clReleaseEvent(event)
 
 
 async def test_a_launch_after_one_whose_arguments_failed_sets_its_arguments_again() -> None:

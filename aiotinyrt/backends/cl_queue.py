@@ -83,7 +83,8 @@ class CLQueue:
         self._events: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._native = native.load()  # (None: the waiter runs in Python)
         self._ring = None if self._native is None else _ring(self._native, cl)
-        self._items: deque[tuple[Done, Run | None]] = deque()
+        self._items: deque[tuple[int, Done, Run | None]] = deque()  # (tag, done, run) per event
+        self._tag = 0  # the last tag handed to the ring
         wait = self._wait if self._ring is None else self._wait_ring
         self._waiter = threading.Thread(target=wait, name=f"cl-waiter-{name}", daemon=True)
         self._waiter.start()
@@ -118,18 +119,25 @@ class CLQueue:
                     break
                 batch.append((done, seconds, error))
             item = event = None  # (the events go before the commands complete)
-            report(batch)
+            if batch:
+                report(batch)
+            else:  # the wait failed with its event still queued: look again in a while (its
+                time.sleep(0.001)  # command is not reported before it completed)
 
     def _wait_ring(self) -> None:
         """The waiter thread on the native ring (:func:`_ring`): one C call per batch waits for
         the oldest event and reads the completed prefix's statuses and times (GIL released);
-        the batch's commands are ``_items``' first ones, in the same order."""
-        ring, items, lib = self._ring, self._items, self._native
-        status, seconds = native.ffi.new("int32_t[256]"), native.ffi.new("double[256]")
-        while (n := lib.clq_wait(ring, 256, status, seconds)) >= 0:
+        the batch's commands are ``_items``' first ones, in the same order, matched by tag (an
+        item whose event never reached the ring, its command failed by the exception that
+        stopped the hand-over, is dropped)."""
+        ring, items, lib, nffi = self._ring, self._items, self._native, native.ffi
+        status, seconds, tags = nffi.new("int32_t[256]"), nffi.new("double[256]"), nffi.new("int64_t[256]")
+        while (n := lib.clq_wait(ring, 256, status, seconds, tags)) >= 0:
             batch: list[tuple[Done, float, BaseException | None]] = []
             for i in range(n):
-                done, run = items.popleft()
+                while items[0][0] != tags[i]:
+                    items.popleft()
+                _, done, run = items.popleft()
                 code = status[i]
                 error = None if code == 0 else CLError("a command's event (execution status)", code)
                 if run is not None:  # a Python command: the commands before it complete first
@@ -154,9 +162,9 @@ class CLQueue:
         if self._ring is None:
             self._events.put((event, done, run))
             return
-        self._items.append((done, run))  # (before the ring has the event: the waiter pops both)
-        if self._native.clq_push(self._ring, event) != 0:
-            self._items.pop()
+        self._tag = tag = self._tag + 1
+        self._items.append((tag, done, run))  # (before the ring has the event: the waiter pops it)
+        if self._native.clq_push(self._ring, event, tag) != 0:
             # the command is enqueued: it fails, but only once the device is done with its memory
             ocl.lib().clWaitForEvents(1, ffi.new("cl_event[1]", [event]))
             raise MemoryError(f"{self.name}: no memory for the completion ring (or the queue is closed)")

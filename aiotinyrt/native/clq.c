@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "clq.h"
@@ -29,10 +30,15 @@ typedef cl_int (*wait_fn)(cl_uint, const cl_event *);
 typedef cl_int (*info_fn)(cl_event, cl_uint, size_t, void *, size_t *);
 typedef cl_int (*ref_fn)(cl_event);
 
+struct slot {
+    cl_event event;
+    int64_t tag; /* the caller's name for the command (its deque entry) */
+};
+
 struct clq {
     pthread_mutex_t lock;
     pthread_cond_t more;
-    cl_event *ring; /* a circular buffer of cap slots: count events from head */
+    struct slot *ring; /* a circular buffer of cap slots: count events from head */
     size_t cap, head, count;
     int closed;
     pid_t pid; /* the process that made it */
@@ -70,20 +76,20 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
 void clq_free(clq_t *q) {
     if (!q) return;
     if (q->pid == getpid())
-        for (size_t i = 0; i < q->count; i++) q->release(q->ring[(q->head + i) % q->cap]);
+        for (size_t i = 0; i < q->count; i++) q->release(q->ring[(q->head + i) % q->cap].event);
     free(q->ring);
     free(q);
 }
 
-/* Keep a reference to `event` until clq_wait() reported it. 0, or -1 (out of memory, or the
-   queue is closed: nothing was kept). */
-int clq_push(clq_t *q, void *event) {
+/* Keep a reference to `event` until clq_wait() reported it, under `tag`. 0, or -1 (out of
+   memory, or the queue is closed: nothing was kept). */
+int clq_push(clq_t *q, void *event, int64_t tag) {
     int out = 0;
     pthread_mutex_lock(&q->lock);
     if (q->closed) {
         out = -1;
     } else if (q->count == q->cap) {
-        cl_event *bigger = malloc(2 * q->cap * sizeof *bigger);
+        struct slot *bigger = malloc(2 * q->cap * sizeof *bigger);
         if (!bigger) {
             out = -1;
         } else {
@@ -96,7 +102,7 @@ int clq_push(clq_t *q, void *event) {
     }
     if (out == 0) {
         q->retain(event);
-        q->ring[(q->head + q->count) % q->cap] = event;
+        q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag};
         if (q->count++ == 0) pthread_cond_signal(&q->more);
     }
     pthread_mutex_unlock(&q->lock);
@@ -104,21 +110,25 @@ int clq_push(clq_t *q, void *event) {
 }
 
 /* Wait (blocking) for the oldest event handed over, then report it and every later completed
-   one, at most `max`: status[i] is the event's execution status (0: complete; negative: its
-   error) or the error of reading it, seconds[i] its profiling time (0 without one). Returns the
-   number reported (>= 1), or -1 once the queue is closed and every event was reported. */
-int clq_wait(clq_t *q, int max, int32_t *status, double *seconds) {
-    cl_event taken[256];
+   one, at most `max`: tags[i] is its tag, status[i] its execution status (0: complete;
+   negative: its error) or the error of reading it, seconds[i] its profiling time (0 without
+   one). Returns the number reported, or -1 once the queue is closed and every event was
+   reported. 0 only after a wait that failed while its event had not completed: that event is
+   not reported until it has (its command may still use its memory); the call sleeps 1 ms
+   first, so a caller calling again does not spin. */
+int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags) {
+    struct slot taken[256];
     if (max > 256) max = 256;
+    if (max < 1) max = 1;
     pthread_mutex_lock(&q->lock);
     while (q->count == 0 && !q->closed) pthread_cond_wait(&q->more, &q->lock);
     if (q->count == 0) {
         pthread_mutex_unlock(&q->lock);
         return -1;
     }
-    cl_event first = q->ring[q->head];
+    cl_event first = q->ring[q->head].event;
     pthread_mutex_unlock(&q->lock);
-    cl_int waited = q->wait(1, &first); /* (its status below tells an error) */
+    q->wait(1, &first); /* (a failure: the statuses below tell) */
     pthread_mutex_lock(&q->lock); /* only this thread takes events: the prefix stays */
     int n = (int)(q->count < (size_t)max ? q->count : (size_t)max);
     for (int i = 0; i < n; i++) taken[i] = q->ring[(q->head + (size_t)i) % q->cap];
@@ -126,17 +136,22 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds) {
     int done = 0;
     for (; done < n; done++) {
         cl_int st = 0;
-        cl_int code = q->event_info(taken[done], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
-        if (code == 0 && st > 0 && (done > 0 || waited == 0))
-            break; /* not completed yet: the next batch starts with it */
-        status[done] = code ? code : st > 0 ? waited : st; /* (a wait that failed: its error) */
+        cl_event ev = taken[done].event;
+        cl_int code = q->event_info(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
+        if (code == 0 && st > 0) break; /* not completed yet: the next batch starts with it */
+        status[done] = code ? code : st;
+        tags[done] = taken[done].tag;
         seconds[done] = 0.0;
         cl_ulong t[2];
         if (status[done] == 0 &&
-            q->profiling_info(taken[done], CL_PROFILING_COMMAND_START, sizeof t[0], &t[0], NULL) == 0 &&
-            q->profiling_info(taken[done], CL_PROFILING_COMMAND_END, sizeof t[1], &t[1], NULL) == 0)
+            q->profiling_info(ev, CL_PROFILING_COMMAND_START, sizeof t[0], &t[0], NULL) == 0 &&
+            q->profiling_info(ev, CL_PROFILING_COMMAND_END, sizeof t[1], &t[1], NULL) == 0)
             seconds[done] = t[1] > t[0] ? (double)(t[1] - t[0]) * 1e-9 : 0.0;
-        q->release(taken[done]);
+        q->release(ev);
+    }
+    if (done == 0) { /* the wait failed (`waited`) and its event is still queued or running */
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, NULL);
     }
     pthread_mutex_lock(&q->lock);
     q->head = (q->head + (size_t)done) % q->cap;
