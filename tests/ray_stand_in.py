@@ -66,6 +66,7 @@ class StandIn:
         self._objects: dict[int, Any] = {}
         self._keys = itertools.count()
         self._held: dict[int, asyncio.Event] = {}
+        self._paused: dict[int, asyncio.Event] = {}
         self.calls: dict[str, int] = {}  #: actor calls per method name
         self.puts = 0  #: objects put
 
@@ -77,6 +78,16 @@ class StandIn:
     def hold(self, name: str) -> None:
         """Calls of host ``name`` wait (pending, not started) until it is killed."""
         self._held[id(self._hosts[name])] = asyncio.Event()
+
+    def pause(self, name: str) -> None:
+        """The ``run`` calls (command batches) of host ``name`` wait until :meth:`resume`; its
+        other methods run at once, as a Ray actor starts a direct call while a batch waits."""
+        self._paused[id(self._hosts[name])] = asyncio.Event()
+
+    def resume(self, name: str) -> None:
+        """The paused ``run`` calls of host ``name`` go on."""
+        event = self._paused.pop(id(self._hosts[name]))
+        self.loop.call_soon_threadsafe(event.set)
 
     def kill(self, name: str) -> None:
         """The host ``name`` dies: its pending calls fail, and so does every later one."""
@@ -101,6 +112,9 @@ class StandIn:
             if held is not None:
                 await held.wait()  # (never set: a held host's calls end when it is killed)
                 return
+            paused = self._paused.get(id(host))
+            if paused is not None and method == "run":
+                await paused.wait()
             try:
                 result = _copy(await getattr(host, method)(*args))
             except Exception as exc:

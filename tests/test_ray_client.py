@@ -5,7 +5,9 @@ paths on a real local cluster."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -15,7 +17,7 @@ import pytest
 pytest.importorskip("ray")  # (imported, never started)
 
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
-from aiotinyrt.ray import client, wire
+from aiotinyrt.ray import client, stream, wire
 from aiotinyrt.ray.host import Host
 from tests.helpers import fail_command, filled_buffer, loop_name
 from tests.ray_stand_in import Ref, StandIn
@@ -61,7 +63,7 @@ async def test_a_loop_turn_of_launches_is_one_call_and_runs_in_order(stand_in: S
 async def test_a_long_turn_sends_a_call_every_batch_limit_commands(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client, "BATCH_LIMIT", 8)
+    monkeypatch.setattr(stream, "BATCH_LIMIT", 8)
     dev = Device["RAY:s1/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
     a = await filled_buffer(dev.name, np.zeros(N, np.int32))
@@ -284,3 +286,176 @@ async def test_a_reply_that_raises_fails_its_command_and_later_replies_still_arr
         assert (await buf.numpy())[:16].tolist() == [3] * 16
     assert dev.conn._waiter is not None and dev.conn._waiter.is_alive()
     await buf.free()
+
+
+def _in_a_loop_that_stops(submit: Callable[[], object]) -> None:
+    """Run ``submit`` in a callback of a fresh asyncio loop that stops in that turn and is then
+    closed: what ``submit`` scheduled on the loop for its next turn never runs there."""
+    loop = asyncio.new_event_loop()
+    loop.call_soon(submit)
+    loop.call_soon(loop.stop)
+    loop.run_forever()
+    loop.close()
+
+
+async def test_copyin_pieces_left_when_their_loop_ends_still_reach_the_host(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
+    name = f"gap-{loop_name(anyio_backend)}"  # (a host of its own: a gap would stall its stream)
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    nbytes = 4 * 96 * 1024 + 100  # (five pieces)
+    x = np.random.default_rng(8).integers(0, 256, nbytes, dtype=np.uint8)
+    buf = await Buffer(dev.name, nbytes, dtypes.uint8).allocate()
+    sigs: list[Any] = []
+    copy = lambda: sigs.append(buf._enqueue_copy(memoryview(x), into=True))  # noqa: E731
+    await anyio.to_thread.run_sync(_in_a_loop_that_stops, copy)
+    with anyio.fail_after(30):  # (a piece never sent: this and every later batch would hang)
+        await sigs[0]
+        assert (await buf.numpy()).tobytes() == x.tobytes()
+    await dev.aclose()
+
+
+async def test_a_flush_left_when_its_loop_ends_is_still_sent(stand_in: StandIn, anyio_backend: Any) -> None:
+    name = f"flush-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
+    sigs: list[Any] = []
+    await anyio.to_thread.run_sync(_in_a_loop_that_stops, lambda: sigs.append(prog(a)))
+    with anyio.fail_after(30):  # (a flush never run: this launch would never be sent)
+        await prog(a)
+        await sigs[0]
+        assert ((await a.numpy()) == 2).all()
+    await dev.aclose()
+
+
+async def test_an_allocation_failing_on_the_host_fails_its_first_use_with_the_memory_error(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Device["CPU:3"].allocator, "limit", 4096)  # (the host's CPU:3: this process)
+    dev = Device["RAY:s1/CPU:3"]
+    buf = await Buffer(dev.name, 1 << 16, dtypes.uint8).allocate()  # (pipelined: no reply awaited)
+    with pytest.raises(DeviceError, match="out of memory") as info:
+        await buf.copyin(np.ones(1 << 16, np.uint8))
+    assert isinstance(info.value.cause, MemoryError)
+    assert "RAY:s1/CPU:3: out of memory allocating 65536 bytes" in str(info.value.cause)
+    await buf.free()
+    await dev.reset()
+    small = await filled_buffer(dev.name, np.full(64, 7, np.uint8))  # (the device goes on)
+    assert ((await small.numpy()) == 7).all()
+    await dev.aclose()
+
+
+async def test_a_program_failing_to_load_on_the_host_fails_its_launches_clearly(stand_in: StandIn) -> None:
+    dev = Device["RAY:s1/CPU:3"]
+    assert isinstance(dev, client.RAYDevice)
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
+    bad = client.RemoteProgram(dev, "add1", b"not a shared object")
+    for _ in range(2):
+        with pytest.raises(DeviceError, match="program add1 did not load on CPU:3: LoadError") as info:
+            await bad(a)
+        assert "KeyError" not in str(info.value)
+        await dev.reset()
+    await dev.aclose()
+
+
+async def test_statistics_come_after_the_commands_queued_before(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    name = f"stats-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    assert isinstance(dev, client.RAYDevice)
+    before = (await dev.statistics())["bytes_in_use"]
+    stand_in.pause(name)  # (batches wait on the host; a direct call would not)
+    bufs = [await Buffer(dev.name, N, dtypes.int32).allocate() for _ in range(3)]
+    seen: list[int] = []
+
+    async def look() -> None:
+        seen.append((await dev.statistics())["bytes_in_use"])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(look)
+        await anyio.wait_all_tasks_blocked()
+        stand_in.resume(name)
+    assert seen == [before + 3 * N * 4]
+    for buf in bufs:
+        await buf.free()
+    await dev.aclose()
+
+
+async def test_close_releases_buffers_whose_allocation_is_still_queued(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    name = f"close-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    assert isinstance(dev, client.RAYDevice)
+    before = (await dev.statistics())["bytes_in_use"]
+    stand_in.pause(name)
+    await Buffer(dev.name, N, dtypes.int32).allocate()  # (never freed: closing releases it)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dev.aclose)
+        await anyio.wait_all_tasks_blocked()
+        stand_in.resume(name)
+    other = Device[f"RAY:{name}/CPU:7"]
+    await filled_buffer(other.name, np.zeros(16, np.uint8))  # (a round trip behind the alloc)
+    again = Device[f"RAY:{name}/CPU:6"]
+    assert (await again.statistics())["bytes_in_use"] == before
+    await other.aclose()
+    await again.aclose()
+
+
+async def test_a_late_failure_of_the_old_host_does_not_fail_the_reconnected_stream(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    name = f"late-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    first, second = Device[f"RAY:{name}/CPU:6"], Device[f"RAY:{name}/CPU:7"]  # (one connection)
+    assert isinstance(first, client.RAYDevice) and isinstance(second, client.RAYDevice)
+    prog, prog2 = await first.program("add1", ADD_SRC), await second.program("add1", ADD_SRC)
+    a = await filled_buffer(first.name, np.zeros(N, np.int32))
+    b = await filled_buffer(second.name, np.zeros(N, np.int32))
+    stand_in.hold(name)
+    sig_a = prog(a)
+    first.conn.flush()
+    calls: list[Any] = []
+    real_call, real_get = stand_in.call, stand_in.get
+
+    def call(*args: Any) -> Any:
+        calls.append(real_call(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(stand_in, "call", call)
+    sig_b = prog2(b)
+    second.conn.flush()  # a second batch in flight: its failure is handled late (below)
+    monkeypatch.setattr(stand_in, "call", real_call)
+    gate = threading.Event()
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if ref is calls[0]:
+            gate.wait(30)
+        return real_get(ref, timeout)
+
+    monkeypatch.setattr(stand_in, "get", get)
+    stand_in.kill(name)
+    with pytest.raises(DeviceError, match="device lost"):
+        await sig_a
+    stand_in.start(name)
+    await first.reset()  # reconnects the connection both devices share
+    gate.set()  # the old host's second failure arrives only now
+    with pytest.raises(DeviceError, match="device lost"):
+        await sig_b
+    with anyio.fail_after(30):
+        c = await filled_buffer(first.name, np.full(N, 4, np.int32))
+        await prog(c)
+        assert ((await c.numpy()) == 5).all()
+        await second.reset()
+        with pytest.raises(DeviceError, match=f"not on host {name}") as info:  # (the old host's)
+            await prog2(b)
+        assert "KeyError" not in str(info.value)
+    await first.aclose()
+    await second.aclose()

@@ -7,7 +7,8 @@ opens the host's ``CPU:1`` as a :class:`RAYDevice`, a ``Compiled`` whose four co
 remote (:mod:`aiotinyrt.ray.client`).
 
 Order and hazards are resolved on the host (:mod:`aiotinyrt.ray.host`); the command stream's
-encoding and the way both sides reach Ray are in :mod:`aiotinyrt.ray.wire`.
+encoding and the way both sides reach Ray are in :mod:`aiotinyrt.ray.wire`, the client's
+sending of it in :mod:`aiotinyrt.ray.stream`.
 """
 
 from __future__ import annotations

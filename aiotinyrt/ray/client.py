@@ -4,41 +4,31 @@
 - the compiler compiles on the host (the host's compile cache);
 - a program is sent to the host once per connection, named by the hash of its binary;
 - the queues are driver-run (:class:`~aiotinyrt.driverqueue.DriverQueue`) whose driver is the
-  actor: every command handed over in one loop turn travels in one actor call (a flush is
-  scheduled on the submitting loop; a turn submitting more than :data:`BATCH_LIMIT` commands
-  sends a call every that many, so the host starts on them while the client still submits),
-  and the reply completes every Signal it covers, from a waiter thread through the queue's
-  thread-safe ``done`` callback (so trio works as asyncio and uvloop do: no Ray ref is awaited
-  on the loop).
+  actor: each command becomes one of the host connection's stream (:mod:`aiotinyrt.ray.stream`:
+  every command handed over in one loop turn travels in one actor call, and the reply
+  completes every Signal it covers from a waiter thread through the queue's thread-safe
+  ``done`` callback, so trio works as asyncio and uvloop do: no Ray ref is awaited on the loop).
 
 Faults: when the actor dies every pending command of its devices fails with a ``DeviceError``
 naming the host ("device lost"), sticky until ``reset()`` (which reconnects to the named actor)
-or close. Closing a device releases every buffer it holds on the host.
+or close. A buffer that failed to allocate on the host fails its first use with the host's
+``MemoryError`` as the cause. Statistics, the host-side reset and the release at close travel
+in the stream, after everything submitted before them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import hashlib
-import itertools
-import queue as _queue
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import anyio
 import anyio.to_thread
 import numpy as np
-import sniffio
 from ray import cloudpickle
-
-try:
-    import trio
-except ImportError:  # (trio is optional)
-    trio = None  # type: ignore[assignment]
 
 from aiotinyrt.allocator import Allocator, BufferSpec
 from aiotinyrt.buffer import Buffer
@@ -48,165 +38,11 @@ from aiotinyrt.driverqueue import Done, DriverQueue
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
 from aiotinyrt.ray import wire
-from aiotinyrt.ray.wire import Command, HostLost, RemoteError
+from aiotinyrt.ray.stream import _CONNECTIONS, BATCH_LIMIT, Part, Reply, connection
+from aiotinyrt.ray.wire import Command, RemoteError
 from aiotinyrt.signal import DeviceError
 
-#: What a command's reply is handed to: ``(reply entry, error)``.
-Reply = Callable[[Any, BaseException | None], None]
-#: A command sent in an actor call of its own: the function making it, and its reply.
-Part = tuple[Callable[[], Command], Reply]
-
-#: Commands per actor call at most: a loop turn submitting more sends a call every this many.
-BATCH_LIMIT = 1024
-
-
-class _Connection:
-    """One client's link to one host, shared by every RAY device of that host (the driver
-    context of their queues): the ordered command stream, its batches and the waiter thread."""
-
-    def __init__(self, host: str) -> None:
-        self.host = host
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._batch: list[Command] = []
-        self._replies: list[Reply | None] = []
-        self._scheduled = False
-        self._waiter: threading.Thread | None = None
-        self._inflight: _queue.SimpleQueue[tuple[Any, list[Reply | None]] | None] = _queue.SimpleQueue()
-        self.calls = 0  #: actor calls made (tests look)
-        self.connect()
-
-    def connect(self) -> None:
-        """(Re)connect to the named actor; a new client id, nothing loaded there yet."""
-        try:
-            self.actor = wire.STORE.actor(self.host)
-        except ValueError as exc:
-            raise DeviceError(f"no device host {self.host!r} is running", device=f"RAY:{self.host}") from exc
-        self.client = uuid.uuid4().hex
-        self.loaded: set[tuple[str, str]] = set()
-        self.lost: str | None = None
-        self._seq = 0
-
-    def new_id(self) -> int:
-        """A fresh id (buffers, commands)."""
-        return next(self._ids)
-
-    def submit(self, cmd: Command, reply: Reply | None) -> None:
-        """Queue ``cmd`` for the next batch; the first command of a batch schedules its flush
-        on the submitting thread's event loop (or flushes at once outside one)."""
-        with self._lock:
-            self._batch.append(cmd)
-            self._replies.append(reply)
-            full = len(self._batch) >= BATCH_LIMIT
-            scheduled = self._scheduled
-            if scheduled and not full:
-                return
-            self._scheduled = True
-        if full:  # (a flush scheduled for the turn's end sends whatever follows)
-            self._send(scheduled=scheduled)
-            return
-        _soon(self.flush)
-
-    def flush(self) -> None:
-        """Send the queued commands in one actor call (any thread)."""
-        self._send(scheduled=False)
-
-    def _send(self, scheduled: bool) -> None:
-        """Send the queued commands; ``scheduled``: a flush stays scheduled for what follows."""
-        with self._lock:
-            batch, replies = self._batch, self._replies
-            self._batch, self._replies, self._scheduled = [], [], scheduled
-            if not batch:
-                return
-            self._seq += 1
-            seq, lost = self._seq, self.lost
-        if lost is not None:
-            _fail(replies, HostLost(lost))
-            return
-        try:
-            args = wire.encode(batch)
-        except Exception as exc:  # (the commands fail as they are; the number still goes)
-            _fail(replies, exc)
-            batch, replies, args = [], [], wire.encode([])
-        try:
-            ref: Any = self.actor.run.remote(self.client, seq, *args)
-        except Exception as exc:  # the number never reached the host: nothing later can run
-            self.lost = f"host {self.host}: device lost ({exc!r})"
-            _fail(replies, HostLost(self.lost))
-            return
-        self._sent(ref, replies)
-
-    def _sent(self, ref: Any, replies: list[Reply | None]) -> None:
-        self.calls += 1
-        if self._waiter is None:
-            self._waiter = threading.Thread(target=self._wait_loop, name=f"ray-{self.host}", daemon=True)
-            self._waiter.start()
-        self._inflight.put((ref, replies))
-
-    def send_apart(self, parts: list[Part], one_per_turn: bool) -> None:
-        """Send what is queued, then each part (a function making its command, and its reply)
-        in an actor call of its own, in order: all at once, or (``one_per_turn``: each part puts
-        bytes into the object store) one per turn of the submitting event loop, so the loop runs
-        other tasks between two pieces' puts while the host copies the last piece in."""
-        self.flush()
-        with self._lock:
-            first = self._seq + 1
-            self._seq += len(parts)
-        jobs = [(first + k, part) for k, part in enumerate(parts)]
-        if not one_per_turn:
-            for seq, part in jobs:
-                self._send_part(seq, part)
-            return
-        self._send_each(jobs, 0)
-
-    def _send_each(self, jobs: list[tuple[int, Part]], i: int) -> None:
-        self._send_part(*jobs[i])
-        if i + 1 < len(jobs):
-            _soon(functools.partial(self._send_each, jobs, i + 1))
-
-    def _send_part(self, seq: int, part: Part) -> None:
-        make, reply = part
-        lost = self.lost
-        if lost is not None:
-            reply(None, HostLost(lost))
-            return
-        try:
-            batch = [make()]
-            args = wire.encode(batch, refs=True)
-        except Exception as exc:  # (the put failed: this part fails; its sequence number still goes)
-            batch, args = [], wire.encode([], refs=True)
-            reply(None, exc)
-        try:
-            ref: Any = self.actor.run.remote(self.client, seq, *args)
-        except Exception as exc:  # the number never reached the host: nothing later can run
-            self.lost = f"host {self.host}: device lost ({exc!r})"
-            if batch:
-                reply(None, HostLost(self.lost))
-            return
-        self._sent(ref, [reply] if batch else [])
-
-    def _wait_loop(self) -> None:
-        while True:
-            item = self._inflight.get()
-            if item is None:
-                return
-            ref, replies = item
-            try:
-                results = wire.STORE.get(ref)
-            except Exception as exc:
-                self.lost = f"host {self.host}: device lost ({type(exc).__name__})"
-                _fail(replies, HostLost(self.lost))
-                continue
-            for reply, result in zip(replies, results, strict=True):
-                if reply is not None:
-                    try:
-                        reply(result, None)
-                    except Exception as exc:  # (fetching a copyout's bytes, say): this command
-                        _reply_failed(reply, exc)  # fails; the waiter goes on with the others
-
-    def call(self, method: str, *args: Any) -> Any:
-        """A ref of one direct actor call (not part of the command stream)."""
-        return getattr(self.actor, method).remote(*args)
+__all__ = ["BATCH_LIMIT", "_CONNECTIONS", "RAYDevice", "RemoteAllocator", "RemoteCompiler", "RemoteHandle"]
 
 
 class _Pieces:
@@ -243,49 +79,6 @@ def _put_copyin(cid: int, ref: tuple[int, int, int], data: np.ndarray[Any, Any],
 
 def _as_is(cmd: Command) -> Command:
     return cmd
-
-
-def _soon(fn: Callable[[], None]) -> None:
-    """Call ``fn`` at the next turn of the calling thread's event loop (asyncio, uvloop: its
-    ``call_soon``; trio: the token's ``run_sync_soon``), or now outside one."""
-    try:
-        asyncio.get_running_loop().call_soon(fn)
-        return
-    except RuntimeError:
-        pass
-    try:
-        library = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        library = ""
-    if library == "trio" and trio is not None:
-        trio.lowlevel.current_trio_token().run_sync_soon(fn)
-    else:
-        fn()
-
-
-def _reply_failed(reply: Reply, exc: BaseException) -> None:
-    """A reply handler raised: its command fails with that error (a handler that had already
-    completed its command before raising completes nothing twice: see ``_reply``)."""
-    with contextlib.suppress(Exception):
-        reply(None, exc)
-
-
-def _fail(replies: Sequence[Reply | None], error: BaseException) -> None:
-    for reply in replies:
-        if reply is not None:
-            reply(None, error)
-
-
-_CONNECTIONS: dict[str, _Connection] = {}
-_CONNECTIONS_LOCK = threading.Lock()
-
-
-def _connection(host: str) -> _Connection:
-    with _CONNECTIONS_LOCK:
-        conn = _CONNECTIONS.get(host)
-        if conn is None:
-            conn = _CONNECTIONS[host] = _Connection(host)
-        return conn
 
 
 async def _get(ref: Any) -> Any:
@@ -392,12 +185,10 @@ class _QueueDriver:
             owner: RemoteProgram = fn.__self__  # type: ignore[attr-defined]
             handles, gsz, lsz, vals = args
             remote = dev.remote_name
-            if (remote, owner.key) not in conn.loaded:
-                conn.loaded.add((remote, owner.key))
-                conn.submit((wire.LOAD, remote, owner.key, owner.name, owner.lib), None)
+            load = ((remote, owner.key), (wire.LOAD, remote, owner.key, owner.name, owner.lib))
             refs = [(h.id, h.nbytes, h.offset) for h in handles]
             cmd: Command = (wire.LAUNCH, cid, remote, owner.key, refs, gsz, lsz, vals, list(waits))
-            conn.submit(cmd, _reply(dev, done))
+            conn.submit(cmd, _reply(dev, done), load)
             return cid
         if func is RemoteAllocator._copyin:
             dest, src = args
@@ -405,8 +196,8 @@ class _QueueDriver:
             if data.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
                 return cid
-            # put into the object store piece by piece, one per loop turn: the host copies one
-            # piece in while the next is put
+            # put into the object store piece by piece by the sender thread: the host copies
+            # one piece in while the next is put
             pieces = _pieces(data.nbytes)
             whole = _Pieces(len(pieces), done)
             parts: list[Part] = [
@@ -422,7 +213,7 @@ class _QueueDriver:
                 )
                 for k, size in pieces
             ]
-            conn.send_apart(parts, one_per_turn=True)
+            conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._copyout:
             out, src = args
             if src.nbytes <= wire.CHUNK_BYTES:
@@ -439,7 +230,7 @@ class _QueueDriver:
                 parts.append(
                     (functools.partial(_as_is, piece), _reply(dev, whole.piece_done, into[k : k + size]))
                 )
-            conn.send_apart(parts, one_per_turn=False)
+            conn.send_apart(parts, puts=False)
         elif func is RemoteAllocator._transfer:
             dest, src, _nbytes, src_dev = args
             if src_dev.conn is conn:
@@ -503,7 +294,7 @@ class RAYDevice(Compiled):
         self.host = host
         self.remote_name = Device.canonicalize(remote)
         self.released = False
-        self.conn = _connection(host)  # (before the base class makes the queues)
+        self.conn = connection(host)  # (before the base class makes the queues)
         super().__init__(name, RemoteAllocator(self), RemoteCompiler(self), RemoteProgram)
 
     def _make_queue(self, name: str) -> Queue:
@@ -526,27 +317,30 @@ class RAYDevice(Compiled):
         raise NotImplementedError(f"{self.name}: graph capture is not supported on RAY devices")
 
     async def statistics(self) -> dict[str, Any]:
-        """The host device's allocator statistics (a dict of ``AllocatorStatistics``' fields).
+        """The host device's allocator statistics (a dict of ``AllocatorStatistics``' fields),
+        taken after every command submitted before (it travels in the command stream).
 
         Cancellation: cancels the wait only."""
-        return dict(await _get(self.conn.call("statistics", self.remote_name)))
+        return dict(await self.conn.request((wire.STATS, self.remote_name), self.name))
 
     async def reset(self) -> None:
         """Wait for queued work, clear the sticky error here and on the host; after the host
-        was lost, reconnect to the actor of that name (buffers held there are gone).
+        was lost, reconnect to the actor of that name (buffers held there are gone; the
+        connection is every device of the host's, so theirs are gone too).
 
         Cancellation: cancelled while draining or reconnecting, the error stays set."""
         await self._settle()
         conn = self.conn
         if conn.lost is not None:
-            await anyio.to_thread.run_sync(conn.connect)
+            await anyio.to_thread.run_sync(conn.reconnect)
         else:
-            await _get(conn.call("reset", self.remote_name))
+            await conn.request((wire.RESET, self.remote_name), self.name)
         await super().reset()
 
     async def aclose(self) -> None:
         """Close as ``Compiled.aclose`` does, then release every buffer this device holds on
-        the host (awaited, so the host's statistics show it).
+        the host, after everything submitted before (in the command stream; awaited, so the
+        host's statistics show it).
 
         Cancellation: shielded; closing always completes."""
         await super().aclose()
@@ -554,11 +348,8 @@ class RAYDevice(Compiled):
             self.released = True
             conn = self.conn
             if conn.lost is None:
-                conn.flush()
-                try:
-                    await _get(conn.call("release", conn.client, self.remote_name))
-                except Exception:
-                    pass  # (the host is gone: so is its memory)
+                with contextlib.suppress(DeviceError):  # (the host is gone: so is its memory)
+                    await conn.request((wire.RELEASE, self.remote_name), self.name)
 
 
 Device.register("RAY", RAYDevice)

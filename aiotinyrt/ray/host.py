@@ -58,6 +58,9 @@ class Host:
         self.name = name
         self._bufs: dict[str, Buffers] = {}  # client -> its buffers
         self._progs: dict[tuple[str, str], Program] = {}  # (device, content hash) -> program
+        # what failed to allocate or load: client -> buffer id -> (device, error); program -> error
+        self._failed: dict[str, dict[int, tuple[str, Exception]]] = {}
+        self._unloaded: dict[tuple[str, str], Exception] = {}
         self._sigs: dict[str, Pending] = {}  # client -> command id -> pending signal
         self._next: dict[str, int] = {}  # client -> the batch whose turn it is
         self._turn = asyncio.Condition()
@@ -70,6 +73,9 @@ class Host:
             wire.COPYOUT: self._copyout,
             wire.TRANSFER: self._transfer,
             wire.FETCH: self._fetch,
+            wire.RELEASE: self._release,
+            wire.STATS: self._stats,
+            wire.RESET: self._reset,
         }
 
     async def ping(self) -> str:
@@ -118,6 +124,9 @@ class Host:
         gone = [i for i, (dev, _) in bufs.items() if device is None or dev == device]
         for i in gone:
             bufs.pop(i)[1].free_nowait()
+        failed = self._failed.get(client, {})
+        for i in [i for i, (dev, _) in failed.items() if device is None or dev == device]:
+            del failed[i]
         await anyio.sleep(0)
         return len(gone)
 
@@ -138,7 +147,8 @@ class Host:
                 try:
                     if cmd[0] == wire.LAUNCH:  # (the common command: no coroutine of its own)
                         _, cid, device, key, refs, gsz, lsz, vals, waits = cmd
-                        sig = self._progs[(device, key)](
+                        prog = self._progs.get((device, key)) or self._no_program(device, key)
+                        sig = prog(
                             *[_buffer(bufs, r) for r in refs],
                             global_size=gsz,
                             local_size=lsz,
@@ -157,7 +167,7 @@ class Host:
                     else:
                         results[i] = await ops[cmd[0]](client, bufs, sigs, cmd)
                 except Exception as exc:
-                    results[i] = wire.failure(self.name, exc)
+                    results[i] = wire.failure(self.name, self._explain(client, exc))
         finally:
             self._next[client] = seq + 1
             async with self._turn:
@@ -173,27 +183,75 @@ class Host:
     async def read(self, client: str, ref: Ref) -> Any:
         """The bytes of one of ``client``'s buffers, for another host's ``copy_from``: a small
         array, or a list holding the ref of one ``put`` straight from the buffer."""
-        return await self._export(_buffer(self._bufs.get(client, {}), ref))
+        try:
+            buf = _buffer(self._bufs.get(client, {}), ref)
+        except _NotHere as exc:
+            raise self._explain(client, exc) from None
+        return await self._export(buf)
+
+    def _explain(self, client: str, exc: Exception) -> Exception:
+        """The error a command failed with, for the client: a buffer that is not here is named
+        with why (its allocation's own error, where it failed)."""
+        if not isinstance(exc, _NotHere):
+            return exc
+        failed = self._failed.get(client, {}).get(exc.rid)
+        if failed is not None:
+            return type(failed[1])(str(failed[1]))
+        return RuntimeError(
+            f"buffer {exc.rid} is not on host {self.name} (freed, or allocated on a host of this "
+            "name the client was connected to before)"
+        )
+
+    def _no_program(self, device: str, key: str) -> Program:
+        """Raise the error of launching a program that is not loaded here."""
+        failed = self._unloaded.get((device, key))
+        if failed is not None:
+            name, error = failed.args
+            raise RuntimeError(f"program {name} did not load on {device}: {type(error).__name__}: {error}")
+        raise RuntimeError(f"program {key} is not loaded on {device}")
 
     # ---- commands (each returns its reply entry; None: the client expects none) ----------------
     async def _alloc(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         _, device, rid, nbytes, zero = cmd
-        await self._device(device)
-        buf = Buffer(device, nbytes, dtypes.uint8, BufferSpec(zero=zero) if zero else None)
-        bufs[rid] = (device, await buf.allocate())
+        try:
+            await self._device(device)
+            buf = Buffer(device, nbytes, dtypes.uint8, BufferSpec(zero=zero) if zero else None)
+            bufs[rid] = (device, await buf.allocate())
+        except Exception as exc:  # (the client learns it at the buffer's first use)
+            if isinstance(exc, MemoryError):  # named as the client names the device
+                exc = MemoryError(f"RAY:{self.name}/{device}: {str(exc).removeprefix(device + ': ')}")
+            self._failed.setdefault(client, {})[rid] = (device, exc)
+            raise exc from None
         return None
 
     async def _free(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         entry = bufs.pop(cmd[1], None)
         if entry is not None:
             entry[1].free_nowait()
+        else:
+            self._failed.get(client, {}).pop(cmd[1], None)
         return None
 
     async def _load(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         _, device, key, name, lib = cmd
         if (device, key) not in self._progs:
-            self._progs[(device, key)] = (await self._device(device)).runtime(name, lib)
+            try:
+                self._progs[(device, key)] = (await self._device(device)).runtime(name, lib)
+            except Exception as exc:  # (its launches fail with it)
+                self._unloaded[(device, key)] = _LoadFailed(name, exc)
+                raise
+            self._unloaded.pop((device, key), None)
         return None
+
+    async def _release(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        return (0.0, None, await self.release(client, cmd[1]), None)
+
+    async def _stats(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        return (0.0, None, await self.statistics(cmd[1]), None)
+
+    async def _reset(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        await self.reset(cmd[1])
+        return 0.0
 
     async def _copyin(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         _, _cid, ref, data, waits = cmd
@@ -246,9 +304,24 @@ class Host:
         return [await anyio.to_thread.run_sync(wire.STORE.put, view)]
 
 
+class _NotHere(Exception):
+    """A command names a buffer the host does not hold (see ``Host._explain``)."""
+
+    def __init__(self, rid: int) -> None:
+        super().__init__(rid)
+        self.rid = rid
+
+
+class _LoadFailed(Exception):
+    """A program's load failed: ``args`` are its name and the error."""
+
+
 def _buffer(bufs: Buffers, ref: Ref) -> Buffer:
     rid, nbytes, offset = ref
-    base = bufs[rid][1]
+    entry = bufs.get(rid)
+    if entry is None:
+        raise _NotHere(rid)
+    base = entry[1]
     if offset == 0 and nbytes == base.nbytes:
         return base
     return base.view(nbytes, dtypes.uint8, offset)

@@ -4,7 +4,8 @@
 A command is a tuple whose first item is one of the operation codes below; a batch is a list of
 them, sent in one actor call, and the host's reply holds one entry per command: a float (the
 command ran, in that many device seconds) or a tuple ``(seconds, error message or None,
-payload, cause)`` (``cause``: the exception the command failed with, where it pickles). Bulk
+payload, cause)`` (``cause``: the exception the command failed with, where it pickles;
+``payload``: a copyout's bytes, the statistics asked for, the count a release freed). Bulk
 bytes never ride inside a reply: a large copyout's payload is a list holding one object ref,
 which the host ``put`` straight from its buffer and the client reads zero-copy.
 
@@ -32,7 +33,7 @@ NAMESPACE = "aiotinyrt"
 Command = tuple[Any, ...]
 
 # operation codes (the first item of a command)
-ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL = range(9)
+ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL, RELEASE, STATS, RESET = range(12)
 
 #: Copies up to this size travel inside the call or reply (Ray sends small values with the
 #: call itself); larger ones go through the object store, ``put`` by the side that has them.

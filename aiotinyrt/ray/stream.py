@@ -1,0 +1,369 @@
+"""A client's command stream to one device host: batches, pieces sent apart, the waiter
+thread that hands each reply to its command (see :class:`Connection`).
+
+Every RAY device of one host in this process shares the host's connection (:func:`connection`):
+the driver context of their queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import itertools
+import queue as _queue
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import sniffio
+
+try:
+    import trio
+except ImportError:  # (trio is optional)
+    trio = None  # type: ignore[assignment]
+
+from aiotinyrt.ray import wire
+from aiotinyrt.ray.wire import Command, HostLost, RemoteError
+from aiotinyrt.signal import DeviceError
+
+#: What a command's reply is handed to: ``(reply entry, error)``.
+Reply = Callable[[Any, BaseException | None], None]
+#: A command sent in an actor call of its own: the function making it, and its reply.
+Part = tuple[Callable[[], Command], Reply]
+
+#: A program's load: ``((device, content hash), its load command)``.
+Load = tuple[tuple[str, str], Command]
+
+#: Commands per actor call at most: a loop turn submitting more sends a call every this many.
+BATCH_LIMIT = 1024
+
+
+class Connection:
+    """One client's link to one host, shared by every RAY device of that host (the driver
+    context of their queues): the ordered command stream, its batches and the waiter thread.
+
+    Sending. Commands gather in the open batch until the submitting loop's turn ends (a flush
+    scheduled on it) or :data:`BATCH_LIMIT` is reached; closed batches and the pieces of large
+    copies wait in the *outbox* in stream order and are sent from it by one thread at a time
+    (the drainer), which numbers them as it sends, so no number is taken that is not sent. A
+    piece that first puts bytes into the object store is sent by the connection's sender
+    thread (the put is a copy of up to ``CHUNK_BYTES``: it stays off the event loop), which
+    then sends whatever queued behind it. Nothing waits for a loop: a flush scheduled on a loop
+    that ended without running it is done by the next submission (or when the scheduled
+    callback is dropped unrun), and pieces never depend on a loop.
+
+    Reconnecting (``reset()`` after the host was lost) is an item of the outbox too: what was
+    queued before it goes to the old host (and fails as lost), what follows to the new one; a
+    reply of the old host that arrives late marks nothing lost (each call is tagged with the
+    connection's epoch)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._batch: list[Command] = []
+        self._replies: list[Reply | None] = []
+        self._scheduled: Any = None  # the event loop (or trio token) that will flush, if any
+        self._outbox: collections.deque[_Item] = collections.deque()
+        self._draining = False  # a thread is sending the outbox
+        self._wake: _queue.SimpleQueue[bool] = _queue.SimpleQueue()  # True: drain, False: flush
+        self._sender = threading.Thread(target=self._send_loop, name=f"ray-send-{host}", daemon=True)
+        self._waiter: threading.Thread | None = None
+        self._inflight: _queue.SimpleQueue[tuple[Any, int, list[Reply | None]]] = _queue.SimpleQueue()
+        self.calls = 0  #: actor calls made (tests look)
+        self._epoch = 0
+        self.actor = self._lookup()
+        self.client = uuid.uuid4().hex
+        self.loaded: set[tuple[str, str]] = set()
+        self.lost: str | None = None
+        self._seq = 0
+        self._sender.start()
+
+    def _lookup(self) -> Any:
+        try:
+            return wire.STORE.actor(self.host)
+        except ValueError as exc:
+            raise DeviceError(f"no device host {self.host!r} is running", device=f"RAY:{self.host}") from exc
+
+    def reconnect(self) -> None:
+        """Connect to the host of this name anew (blocks for the lookup): a new client id,
+        nothing loaded there; applied in stream order (see the class docstring)."""
+        actor, client = self._lookup(), uuid.uuid4().hex
+        with self._lock:
+            self._close_batch()
+            self.loaded = set()  # (what is submitted from now on goes to the new host)
+            self._outbox.append(_Item(swap=(actor, client)))
+        self._pump()
+
+    def new_id(self) -> int:
+        """A fresh id (buffers, commands)."""
+        return next(self._ids)
+
+    def submit(self, cmd: Command, reply: Reply | None, load: Load | None = None) -> None:
+        """Queue ``cmd`` for the next batch (after ``load``'s command, unless the program it
+        names was sent to this host already); the first command of a batch schedules its flush
+        on the submitting thread's event loop (or flushes at once outside one)."""
+        with self._lock:
+            if load is not None and load[0] not in self.loaded:
+                self.loaded.add(load[0])
+                self._batch.append(load[1])
+                self._replies.append(None)
+            self._batch.append(cmd)
+            self._replies.append(reply)
+            if len(self._batch) >= BATCH_LIMIT:  # (a flush scheduled for the turn's end sends
+                self._close_batch()  # whatever follows)
+                loop = None
+            else:
+                if self._scheduled is not None and _alive(self._scheduled):
+                    return
+                loop = self._scheduled = _scheduler()
+                if loop is None:  # (outside an event loop: at once)
+                    self._scheduled = None
+                    self._close_batch()
+        if loop is None:
+            self._pump()
+        elif not _call_soon(loop, _Flush(self)):
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the queued commands in one actor call (any thread)."""
+        with self._lock:
+            self._scheduled = None
+            self._close_batch()
+        self._pump()
+
+    def send_apart(self, parts: list[Part], puts: bool) -> None:
+        """Send what is queued, then each part (a function making its command, and its reply)
+        in an actor call of its own, in order; ``puts``: making a command puts bytes into the
+        object store, so the sender thread makes and sends them (one piece's put overlapping
+        the host's copy of the one before), not the submitting thread."""
+        with self._lock:
+            self._close_batch()
+            self._outbox.extend(_Item(part=part, puts=puts) for part in parts)
+        self._pump()
+
+    def _close_batch(self) -> None:
+        """The open batch joins the outbox. Caller holds ``_lock``."""
+        if self._batch:
+            self._outbox.append(_Item(batch=self._batch, replies=self._replies))
+            self._batch, self._replies = [], []
+
+    def _pump(self) -> None:
+        """Send the outbox unless another thread is sending it (it sends what was added)."""
+        with self._lock:
+            if self._draining:
+                return
+            self._draining = True
+        self._drain(on_sender=False)
+
+    def _drain(self, on_sender: bool) -> None:
+        """Send the outbox's items in order; one thread at a time (``_draining``). An item that
+        puts bytes is left to the sender thread, which then owns the outbox until it is empty."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    self._draining = False
+                    return
+                item = self._outbox[0]
+                if item.puts and not on_sender:
+                    self._wake.put(True)
+                    return  # (``_draining`` stays set: the sender thread has the outbox now)
+                self._outbox.popleft()
+            try:
+                self._send_item(item)
+            except BaseException:  # (a reply handler raising: the outbox is not left owned)
+                with self._lock:
+                    self._draining = False
+                raise
+
+    def _send_loop(self) -> None:
+        while True:
+            if self._wake.get():
+                self._drain(on_sender=True)
+            else:
+                self.flush()
+
+    def _send_item(self, item: _Item) -> None:
+        """Make and send one item (the drainer's thread only: it alone numbers calls)."""
+        if item.swap is not None:
+            self.actor, self.client = item.swap
+            self._epoch += 1
+            self._seq = 0
+            self.lost = None
+            return
+        if item.part is not None:
+            make, reply = item.part
+            replies: list[Reply | None] = [reply]
+            if self.lost is not None:
+                _fail(replies, HostLost(self.lost))
+                return
+            try:
+                batch, args = [make()], None
+                args = wire.encode(batch, refs=True)
+            except Exception as exc:  # (the put failed: this part fails; its number still goes)
+                _fail(replies, exc)
+                replies, args = [], wire.encode([], refs=True)
+        else:
+            assert item.batch is not None and item.replies is not None
+            replies = item.replies
+            if self.lost is not None:
+                _fail(replies, HostLost(self.lost))
+                return
+            try:
+                args = wire.encode(item.batch)
+            except Exception as exc:  # (the commands fail as they are; the number still goes)
+                _fail(replies, exc)
+                replies, args = [], wire.encode([])
+        self._seq += 1
+        try:
+            ref: Any = self.actor.run.remote(self.client, self._seq, *args)
+        except Exception as exc:  # the number never reached the host: nothing later can run
+            self.lost = f"host {self.host}: device lost ({exc!r})"
+            _fail(replies, HostLost(self.lost))
+            return
+        self.calls += 1
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_loop, name=f"ray-{self.host}", daemon=True)
+            self._waiter.start()
+        self._inflight.put((ref, self._epoch, replies))
+
+    def _wait_loop(self) -> None:
+        while True:
+            ref, epoch, replies = self._inflight.get()
+            try:
+                results = wire.STORE.get(ref)
+            except Exception as exc:
+                lost = f"host {self.host}: device lost ({type(exc).__name__})"
+                if epoch == self._epoch:  # (a late reply of a host reconnected from marks nothing)
+                    self.lost = lost
+                _fail(replies, HostLost(lost))
+                continue
+            for reply, result in zip(replies, results, strict=True):
+                if reply is not None:
+                    try:
+                        reply(result, None)
+                    except Exception as exc:  # (fetching a copyout's bytes, say): this command
+                        _reply_failed(reply, exc)  # fails; the waiter goes on with the others
+
+    async def request(self, cmd: Command, device: str) -> Any:
+        """Send ``cmd`` in the stream (after everything queued before it) and return its reply's
+        payload; a failure raises ``DeviceError`` naming ``device``. Cancellation: cancels the
+        wait; the command runs on."""
+        answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def reply(result: Any, error: BaseException | None) -> None:
+            if error is None and result.__class__ is not float and result[1] is not None:
+                error = result[3] if result[3] is not None else RemoteError(result[1])
+            if error is not None:
+                answer.set_exception(DeviceError(f"{device}: {error}", device=device, cause=error))
+            else:
+                answer.set_result(None if result.__class__ is float else result[2])
+
+        self.submit(cmd, reply)
+        return await anyio.to_thread.run_sync(answer.result, abandon_on_cancel=True)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """A ref of one direct actor call (not part of the command stream: unordered)."""
+        return getattr(self.actor, method).remote(*args)
+
+
+class _Item:
+    """One entry of a connection's outbox: a batch, a part sent apart, or a reconnection."""
+
+    __slots__ = ("batch", "part", "puts", "replies", "swap")
+
+    def __init__(
+        self,
+        batch: list[Command] | None = None,
+        replies: list[Reply | None] | None = None,
+        part: Part | None = None,
+        puts: bool = False,
+        swap: tuple[Any, str] | None = None,
+    ) -> None:
+        self.batch, self.replies, self.part, self.puts, self.swap = batch, replies, part, puts, swap
+
+
+class _Flush:
+    """The flush a connection schedules on an event loop: flushes when called, or, if the loop
+    drops it unrun (closed before its turn came), when it is collected."""
+
+    __slots__ = ("conn", "ran")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+        self.conn.flush()
+
+    def __del__(self) -> None:
+        if not self.ran:  # (the sender thread flushes: a finalizer may run where a lock is held)
+            self.conn._wake.put(False)
+
+
+def _scheduler() -> Any:
+    """The calling thread's event loop (asyncio, uvloop) or trio token; None outside one."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    try:
+        library = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None
+    if library == "trio" and trio is not None:
+        return trio.lowlevel.current_trio_token()
+    return None
+
+
+def _alive(scheduler: Any) -> bool:
+    """Whether a flush scheduled on ``scheduler`` will still run: an asyncio loop that is
+    closed or not running may never run it (trio runs what was scheduled before its run ended,
+    and refuses what comes after)."""
+    if isinstance(scheduler, asyncio.AbstractEventLoop):
+        return scheduler.is_running() and not scheduler.is_closed()
+    return True
+
+
+def _call_soon(scheduler: Any, fn: Callable[[], None]) -> bool:
+    """Call ``fn`` at the next turn of ``scheduler`` (its ``call_soon``, or the trio token's
+    ``run_sync_soon``); False when it refuses (closed, its run finished)."""
+    try:
+        if isinstance(scheduler, asyncio.AbstractEventLoop):
+            scheduler.call_soon(fn)  # (the calling thread's own loop)
+        else:
+            scheduler.run_sync_soon(fn)
+    except RuntimeError:  # (trio's RunFinishedError is one)
+        return False
+    return True
+
+
+def _reply_failed(reply: Reply, exc: BaseException) -> None:
+    """A reply handler raised: its command fails with that error (a handler that had already
+    completed its command before raising completes nothing twice: see ``_reply``)."""
+    with contextlib.suppress(Exception):
+        reply(None, exc)
+
+
+def _fail(replies: Sequence[Reply | None], error: BaseException) -> None:
+    for reply in replies:
+        if reply is not None:
+            reply(None, error)
+
+
+_CONNECTIONS: dict[str, Connection] = {}
+_CONNECTIONS_LOCK = threading.Lock()
+
+
+def connection(host: str) -> Connection:
+    with _CONNECTIONS_LOCK:
+        conn = _CONNECTIONS.get(host)
+        if conn is None:
+            conn = _CONNECTIONS[host] = Connection(host)
+        return conn
