@@ -38,20 +38,35 @@ from aiotinyrt.ray import wire  # noqa: E402
 
 KERNEL = "void k(float* restrict a, const float* restrict b) { a[0] = b[0] + 1.0f; }"
 MiB = 1 << 20
+#: The object store's size: small enough that its memory is reused (warm) from the first
+#: repetition on, as in a long-running service; Ray's default (30 % of RAM) would hand each put
+#: memory never touched before, whose page faults then dominate every row that puts.
+STORE_BYTES = 1 << 30
+LIKE_IN = "bare Ray copyin: ray.put here, an actor copies it into its memory (GB/s)"
+LIKE_OUT = "bare Ray copyout: an actor puts its memory, ray.get here into an array (GB/s)"
 
 
 @ray.remote(num_cpus=0)
 class Bare:
-    """The anchor a user would write: an async actor with a method per operation."""
+    """The anchor a user would write: an async actor with a method per operation, holding an
+    array of its own (the stand-in for a device buffer in its memory)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = np.ones(nbytes, np.uint8)
 
     async def launch(self) -> None:
         return None
 
-    async def sink(self, data: np.ndarray[Any, Any]) -> int:
-        return int(data.nbytes)
+    async def take(self, refs: list[Any]) -> None:
+        """What a copyin does on a host: read the put array zero-copy, copy it into memory."""
+        np.copyto(self.memory, await refs[0])
 
-    async def source(self, nbytes: int) -> np.ndarray[Any, Any]:
-        return np.ones(nbytes, np.uint8)
+    async def give(self) -> tuple[list[Any], float]:
+        """What a copyout does on a host: put its memory, hand back the ref (and the put's
+        seconds)."""
+        start = time.perf_counter()
+        ref = ray.put(self.memory)
+        return [ref], time.perf_counter() - start
 
 
 async def timed(fn: Callable[[], Awaitable[object]]) -> float:
@@ -61,7 +76,8 @@ async def timed(fn: Callable[[], Awaitable[object]]) -> float:
 
 
 async def main(reps: int, launches: int, copy_mib: int) -> None:
-    bare = Bare.remote()
+    nbytes = copy_mib * MiB
+    bare = Bare.remote(nbytes)
     await bare.launch.remote()
     for name in ("b1", "b2"):
         await airay.start_host(name).ping.remote()
@@ -71,7 +87,6 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
     a = await Buffer(dev.name, 1, dtypes.float32).allocate()
     b = await Buffer(dev.name, 1, dtypes.float32).allocate()
     await prog(a, b)
-    nbytes = copy_mib * MiB
     host = np.ones(nbytes, np.uint8)
     out = np.empty(nbytes, np.uint8)
     big = await Buffer(dev.name, nbytes, dtypes.uint8).allocate()
@@ -80,6 +95,7 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
     rt_n = 200
     pipe_bare_n = min(launches, 2000)
     rows: dict[str, list[float]] = {}
+    parts: list[float] = []  # (the put times the bare Ray copies report)
 
     def add(row: str, value: float) -> None:
         rows.setdefault(row, []).append(value)
@@ -107,7 +123,9 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         add("remote launch + await round trip (µs)", t / rt_n * 1e6)
 
         gbs = nbytes / 1e9
-        add(f"copyin {copy_mib} MiB (GB/s)", gbs / await timed(lambda: big.copyin(host)))
+        stall: list[float] = []
+        add(f"copyin {copy_mib} MiB (GB/s)", gbs / await _watched(lambda: big.copyin(host), stall))
+        add("longest event-loop stall during that copyin (ms)", stall[0] * 1e3)
         add(f"copyout {copy_mib} MiB (GB/s)", gbs / await timed(lambda: big.copyout(out)))
         start = time.perf_counter()
         ref = ray.put(host)
@@ -117,19 +135,18 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         np.copyto(out, ray.get(ref))  # (a zero-copy get; the copy makes it land in `out`)
         add(f"ray.get {copy_mib} MiB into an array (GB/s)", gbs / (time.perf_counter() - start))
         del ref
-        sink = await timed(lambda: bare.sink.remote(host))
-        add(f"bare actor call taking {copy_mib} MiB (GB/s)", gbs / sink)
-
-        async def fetch() -> None:
-            np.copyto(out, await bare.source.remote(nbytes))
-
-        add(f"bare actor call returning {copy_mib} MiB (GB/s)", gbs / await timed(fetch))
+        parts.clear()
+        add(LIKE_IN, gbs / await timed(lambda: _take(bare, host, parts)))
+        add("  its ray.put here (GB/s)", gbs / parts.pop())
+        add(LIKE_OUT, gbs / await timed(lambda: _give(bare, out, parts)))
+        add("  its ray.put in the actor (GB/s)", gbs / parts.pop())
         add(f"copy_from host to host {copy_mib} MiB (GB/s)", gbs / await timed(lambda: far.copy_from(big)))
 
     anchor = statistics.median(rows["bare actor call, one after another (µs/call)"])
     med = {row: statistics.median(values) for row, values in rows.items()}
     put = med[f"ray.put {copy_mib} MiB (GB/s)"]
     get = med[f"ray.get {copy_mib} MiB into an array (GB/s)"]
+    like_in, like_out = med[LIKE_IN], med[LIKE_OUT]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     chunk = wire.CHUNK_BYTES // MiB
     print(f"bench/ray.py: {reps} repetitions, medians; Ray {ray.__version__}, {os.cpu_count()} cores")
@@ -141,15 +158,54 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         ratio = f"{anchor / value:.1f}× the rate" if "µs" in row else ""
         if "round trip" in row:
             ratio = f"{value / anchor:.2f}× one call"
-        elif row.startswith(("copyin", "copy_from")):
+        elif row.startswith("copyin"):
+            ratio = f"{value / put:.0%} of ray.put; {value / like_in:.0%} of bare Ray's"
+        elif row.startswith("copy_from"):
             ratio = f"{value / put:.0%} of ray.put"
         elif row.startswith("copyout"):
-            ratio = f"{value / get:.0%} of ray.get into an array"
+            ratio = (
+                f"{value / get:.0%} of ray.get into an array; {value / like_out:.0%} of bare Ray's copyout"
+            )
         print(f"| {row} | {value:,.2f} | {ratio} |")
     for buf in (a, b, big, far):
         await buf.free()
     await dev.aclose()
     await other.aclose()
+
+
+async def _take(bare: Any, data: np.ndarray[Any, Any], put: list[float]) -> None:
+    start = time.perf_counter()
+    ref = ray.put(data)
+    put.append(time.perf_counter() - start)
+    await bare.take.remote([ref])
+
+
+async def _give(bare: Any, out: np.ndarray[Any, Any], put: list[float]) -> None:
+    refs, seconds = await bare.give.remote()
+    put.append(seconds)
+    np.copyto(out, await refs[0])
+
+
+async def _watched(fn: Callable[[], Awaitable[object]], stall: list[float]) -> float:
+    """``timed(fn)``, while a task on the loop measures the longest time the loop did not run
+    it past a 1 ms sleep (appended to ``stall``)."""
+    longest = 0.0
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        nonlocal longest
+        while not done.is_set():
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            longest = max(longest, time.perf_counter() - start - 0.001)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    seconds = await timed(fn)
+    done.set()
+    await ticker
+    stall.append(longest)
+    return seconds
 
 
 async def _sequential(bare: Any, n: int) -> None:
@@ -164,7 +220,14 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.chunk_mib is not None:
         wire.CHUNK_BYTES = args.chunk_mib * MiB
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # (address="local": a cluster of its own, even where another is running on the machine)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=STORE_BYTES,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         if args.quick:
             asyncio.run(main(3, 2000, 16))

@@ -40,8 +40,11 @@ ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL, RELEASE, STAT
 INLINE_BYTES = 64 * 1024
 
 #: Copies over this size move in pieces of this size, one actor call (or one read of another
-#: host) each, so that one side's copy of a piece overlaps the other side's copy of the next.
-CHUNK_BYTES = 16 << 20
+#: host) each: what bounds the object-store memory one copy holds at once. Pieces could overlap
+#: one side's copy with the other's, but Ray's put copies with several threads and an actor call
+#: submitted meanwhile is dispatched only once the put is done, so on a small machine they do not
+#: (BENCHMARKS.md, Ray: 64 MiB copies ran faster in one piece than in four).
+CHUNK_BYTES = 64 << 20
 
 
 def encode(batch: list[Command], refs: bool = False) -> tuple[bytes, list[Any], list[Any]]:
