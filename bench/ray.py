@@ -2,13 +2,27 @@
 
     python bench/ray.py            # 7 repetitions, 10,000 pipelined launches, 64 MiB copies
     python bench/ray.py --quick    # 3 repetitions, 2,000 launches, 16 MiB copies
-    python bench/ray.py --chunk-mib 64   # copies in pieces of 64 MiB (default: wire.CHUNK_BYTES)
+    python bench/ray.py --chunk-mib 16   # copies in pieces of 16 MiB (default: wire.CHUNK_BYTES)
 
-Rows: a bare async-actor call per launch (the anchor: ``await actor.f.remote()``, one after
-another) and the same calls pipelined (all sent, then gathered); aiotinyrt's remote device:
-pipelined launches (all submitted in one loop turn, the last awaited), launch + await round
-trip; copyin/copyout against ``ray.put``/``ray.get`` of the same array and against a bare actor
-call taking/returning it; copy_from between two hosts. Medians over the repetitions; asyncio.
+The cluster is the bench's own (``address="local"``: 2 CPUs, a 1 GiB object store, so store
+memory is reused from the first repetition on). Medians over the repetitions; asyncio. Rows:
+
+- bare actor call, one after another: ``await actor.launch.remote()`` of a method returning
+  None, 200 times (the anchor of the launch rows); pipelined: 2,000 sent, then gathered.
+- remote launches pipelined: a one-float kernel on ``RAY:b1/CPU``, all submitted in one loop
+  turn, the last awaited; round trip: one launch awaited, 200 times.
+- copyin / copyout: ``Buffer.copyin`` / ``copyout`` of 64 MiB between a numpy array here and a
+  buffer of ``RAY:b1/CPU``; the stall row is the longest a 1 ms sleep on the loop overslept
+  during the copyin (what the copy took from other tasks).
+- ray.put: one ``ray.put`` of the same array (the object store's own put: one copy into the
+  store); ray.get into an array: ``ray.get`` of that object (zero-copy, it is mapped here) and
+  ``np.copyto`` into the destination array: one copy. The issue's targets compare the copies
+  with these two.
+- bare Ray copyin: what a copyin does, written with bare Ray: ``ray.put`` here, then a call of
+  an actor that copies the array into memory of its own (two copies, as a copyin); its put is
+  reported below it. Bare Ray copyout: the actor puts its memory, ``ray.get`` here and
+  ``np.copyto`` into the array (two copies, as a copyout); the actor's put is reported below.
+- copy_from host to host: ``copy_from`` from that buffer into one of ``RAY:b2/CPU``.
 """
 
 from __future__ import annotations
