@@ -335,7 +335,8 @@ async def test_a_flush_left_when_its_loop_ends_is_still_sent(stand_in: StandIn, 
 async def test_an_allocation_failing_on_the_host_fails_its_first_use_with_the_memory_error(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(Device["CPU:3"].allocator, "limit", 4096)  # (the host's CPU:3: this process)
+    memory = Device["CPU:3"].allocator  # (the host's CPU:3: this process's)
+    monkeypatch.setattr(memory, "limit", memory.statistics().bytes_in_use + 4096)
     dev = Device["RAY:s1/CPU:3"]
     buf = await Buffer(dev.name, 1 << 16, dtypes.uint8).allocate()  # (pipelined: no reply awaited)
     with pytest.raises(DeviceError, match="out of memory") as info:
