@@ -36,7 +36,7 @@ from _samples import Samples
 
 from aiotinyrt import Buffer, Device, dtypes
 from aiotinyrt.backends import opencl as ocl
-from aiotinyrt.backends.cl_build import BuildPool, BuildServer
+from aiotinyrt.backends.cl_build import BuildPool
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 
 SRC = "__kernel void inc(__global int* out) { out[0] += 1; }"
@@ -269,10 +269,25 @@ def _state(tid: int) -> str:
         return "-"
 
 
+def _cpu(pid: int) -> float:
+    """CPU seconds of process ``pid`` and its reaped children (PoCL runs ``ld`` per build)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy() -> float:
+    """CPU seconds every process of the machine has run (``/proc/stat``: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _, _, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _two_at_once(start: Callable[[], list[int]], alive: Callable[[], list[bool]]) -> tuple[float, float]:
-    """Run two builds at once: ``(seconds, fraction of 0.5 ms samples, while both run, with one
+    """Run two builds at once: ``(seconds, fraction of 2 ms samples, while both run, with one
     waiting and the other not)``. A preempted thread stays R; only a wait (a lock) is S or D, so
-    the fraction shows serialization whatever the machine's load."""
+    the fraction shows serialization whatever the machine's load. (Sampling every 0.5 ms took
+    15 % of a core from the builds themselves.)"""
     t = time.perf_counter()
     ids, one_waits, samples = start(), 0, 0
     while any(running := alive()):
@@ -280,20 +295,22 @@ def _two_at_once(start: Callable[[], list[int]], alive: Callable[[], list[bool]]
         if all(running) and "-" not in states:
             samples += 1
             one_waits += sum(x in "SD" for x in states) == 1
-        time.sleep(0.0005)
+        time.sleep(0.002)
     return time.perf_counter() - t, one_waits / max(samples, 1)
 
 
 def compile_rows(s: Samples) -> None:
-    """Two builds of distinct kernels (PoCL's kernel cache off, so each runs LLVM): one after
-    the other in this process, on two threads of this process, and in two compile servers."""
+    """Two builds of distinct kernels of the same size (PoCL's kernel cache off, so each runs
+    LLVM): one after the other in this process, on two threads of this process, one after the
+    other in one compile server, and in two compile servers at once; the servers' CPU per build
+    each way, and the CPU other processes took while the two servers built."""
     dev = Device["CL"]
     assert isinstance(dev, CLDevice)
     tag = [0]
 
     def src() -> str:
         tag[0] += 1
-        body = " ".join(f"o[{i}] = o[{i}] * {tag[0]} + {i};" for i in range(200))
+        body = " ".join(f"o[{i}] = o[{i}] * 3 + {i + tag[0]};" for i in range(200))
         return f"__kernel void k{tag[0]}_{time.time_ns()}(__global int* o) {{ {body} }}"
 
     build = dev.compiler.build  # type: ignore[attr-defined]
@@ -322,29 +339,45 @@ def compile_rows(s: Samples) -> None:
     s.add("compile|2 builds on 2 threads, in-process (ms)", seconds * 1e3)
     s.add("compile|2 builds on 2 threads: one waits (% of samples)", waits * 100)
     pool = _pool()
-    servers = list(pool._idle)  # (two started servers: the next two builds take one each)
+    servers = list(pool._idle)  # (two warmed servers: the next two builds take one each)
+    pids = [srv.proc.pid for srv in servers]
+    cpu = _cpu(pids[0])
+    t = time.perf_counter()
+    servers[0].build(src())
+    servers[0].build(src())
+    one_by_one = time.perf_counter() - t
+    cpu = _cpu(pids[0]) - cpu
+    s.add("compile|2 builds one after the other, in 1 compile server (ms)", one_by_one * 1e3)
 
     def serve() -> list[int]:
         workers[:] = [threading.Thread(target=pool.build, args=(src(),)) for _ in range(2)]
         for w in workers:
             w.start()
-        return [-srv.proc.pid for srv in servers]
+        return [-pid for pid in pids]
 
+    cpus, busy, mine = [_cpu(pid) for pid in pids], _busy(), time.process_time()
     seconds, waits = _two_at_once(serve, lambda: [w.is_alive() for w in workers])
+    mine, busy = time.process_time() - mine, _busy() - busy
+    both = sum(_cpu(pid) for pid in pids) - sum(cpus)
     s.add("compile|2 builds in 2 compile servers (ms)", seconds * 1e3)
     s.add("compile|2 builds in 2 compile servers: one waits (% of samples)", waits * 100)
+    s.add("compile|2 servers at once vs one after the other in 1 (x, this repetition)", one_by_one / seconds)
+    s.add("compile|server CPU per build, one after the other (ms)", cpu / 2 * 1e3)
+    s.add("compile|server CPU per build, 2 servers at once (ms)", both / 2 * 1e3)
+    s.add(
+        "compile|CPU others took while 2 servers build (other processes, hypervisor steal; cores)",
+        max(busy - both - mine, 0) / seconds,
+    )
 
 
 _pools: list[BuildPool] = []
 
 
 def _pool() -> BuildPool:
-    """A pool of two started servers for CL (their start-up is not part of the rows)."""
+    """A pool of two started, warmed servers for CL (their start-up is not part of the rows)."""
     if not _pools:
         pool = BuildPool(0, size=2)
-        pool._idle = [BuildServer(0), BuildServer(0)]
-        for server in pool._idle:
-            server.build("__kernel void warm(__global int* o) { o[0] = 1; }")
+        pool.start()
         _pools.append(pool)
     return _pools[0]
 
@@ -353,15 +386,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--launches", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--only", choices=["compile"], help="only these rows")
     args = parser.parse_args()
     os.environ["POCL_KERNEL_CACHE"] = "0"
     s = Samples()
     nbytes = 64 * MiB
     for _ in range(args.reps):
-        pyopencl_rows(s, args.launches, nbytes)
-        tinygrad_rows(s, args.launches)
-        anyio.run(aiotinyrt_rows, s, args.launches, nbytes)
-        completion_rows(s, args.launches // 4)
+        if args.only is None:
+            pyopencl_rows(s, args.launches, nbytes)
+            tinygrad_rows(s, args.launches)
+            anyio.run(aiotinyrt_rows, s, args.launches, nbytes)
+            completion_rows(s, args.launches // 4)
         compile_rows(s)
     print(
         f"CL device: {Device['CL'].device_name} ({Device['CL'].driver_version}), "  # type: ignore[attr-defined]

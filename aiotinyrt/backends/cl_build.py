@@ -7,6 +7,8 @@ So :class:`CLCompiler <aiotinyrt.backends.ops_cl.CLCompiler>` hands each build t
 process of a small pool per device: ``python -m aiotinyrt.backends.cl_build <index>`` opens
 device ``<index>`` (``CL:<index>``, the same discovery order), builds each source it is sent and
 replies with the binary or the error. A server lives until its stdin closes (the parent exits).
+Each build is one thread of CPU in its server (PoCL neither spawns threads for it nor takes a
+lock across processes), so two servers build two kernels side by side on two cores.
 
 Protocol (stdin/stdout, little-endian): a request is ``u32 length`` + the UTF-8 source; a reply
 is ``b"O"`` + ``u64 length`` + the binary, or ``b"E"`` (build failure) / ``b"X"`` (another
@@ -24,6 +26,9 @@ from typing import IO
 
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.compiler import CompileError
+
+#: The build a new server runs first: LLVM's start-up, before a build of the caller waits on it.
+WARM = "__kernel void aiotinyrt_warm(__global int* o) { o[0] = 1; }"
 
 
 class BuildServer:
@@ -79,65 +84,146 @@ def _read(stream: IO[bytes], n: int) -> bytes:
 
 
 class BuildPool:
-    """At most ``size`` servers for device ``index`` (default: one per CPU), started on
-    demand and reused; a build waits for a free one. Thread-safe; a forked child starts its own."""
+    """At most ``size`` servers for device ``index`` (default: one per CPU), reused; a build
+    takes an idle server, else the first one to become idle. Thread-safe; a forked child starts
+    its own.
+
+    A new server is started (on a thread of its own) when a build finds none idle and the pool
+    has room, and it runs the warm-up build :data:`WARM` before it takes a build: a cold server
+    pays Python's and PoCL's start-up and LLVM's first build (~1.4 s of CPU here, four builds'
+    worth), so a build that finds every server busy takes whichever becomes idle first, the busy
+    one or the new one, and never waits out a start-up behind a build that ends sooner."""
 
     def __init__(self, index: int, size: int | None = None) -> None:
         self.index = index
         self.size = size or os.cpu_count() or 1
-        self._slots = threading.Semaphore(self.size)
-        self._idle: list[BuildServer] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
         self._closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._idle: list[BuildServer] = []
+        self._count = 0  # servers idle, busy or starting
+        self._failure: BaseException | None = None  # the last start that failed, not yet reported
 
     def build(self, src: str) -> bytes:
-        """Build ``src`` on a free server (blocking: call it from a worker thread); an idle
-        server that has exited meanwhile is replaced by a fresh one."""
-        with self._slots:
-            with self._lock:
-                if self._pid != os.getpid():  # (forked: the servers are the parent's)
-                    self._idle, self._pid = [], os.getpid()
-                server = self._idle.pop() if self._idle else None
-            if server is not None and server.proc.poll() is not None:
-                server.close()  # (exited while idle)
-                server = None
-            reused = server is not None
-            if server is None:
-                server = BuildServer(self.index)
-            while True:
-                try:
-                    lib = server.build(src)
-                except ocl.CLError:  # the build's own failure: the server goes on
-                    self._put_back(server)
-                    raise
-                except CompileError:
-                    server.close()
-                    if not reused:
-                        raise
-                    # an idle server that died too recently to show (not reaped yet): the
-                    # build was never its; once more on a fresh server
-                    reused, server = False, BuildServer(self.index)
-                    continue
-                except BaseException:
-                    server.close()
-                    raise
+        """Build ``src`` on a server (blocking: call it from a worker thread). A server that
+        exited while idle is replaced; ``CompileError`` when one exits during the build (after
+        one retry on another: it may have died idle, unseen) or none could start."""
+        retried = False
+        while True:
+            server = self._take()
+            try:
+                lib = server.build(src)
+            except ocl.CLError:  # the build's own failure: the server goes on
                 self._put_back(server)
-                return lib
+                raise
+            except CompileError:
+                self._drop(server)
+                if retried:
+                    raise
+                retried = True  # (an idle server that died too recently to show)
+                continue
+            except BaseException:
+                self._drop(server)
+                raise
+            self._put_back(server)
+            return lib
+
+    def start(self, n: int | None = None) -> None:
+        """Start servers until the pool holds ``n`` (default and at most: ``size``) and wait
+        until each is idle and warmed (blocking); ``CompileError`` when one could not start."""
+        n = min(self.size if n is None else n, self.size)
+        with self._cond:
+            while self._count < n:
+                self._launch()
+            while len(self._idle) < n and not self._closed:
+                if self._failure is not None:
+                    raise self._failed()
+                self._cond.wait()
+
+    def _take(self) -> BuildServer:
+        if self._pid != os.getpid():  # (forked: the servers and threads are the parent's)
+            self._reset()
+        with self._cond:
+            while not self._closed:
+                while self._idle:
+                    server = self._idle.pop()
+                    if server.proc.poll() is None:
+                        return server
+                    self._count -= 1
+                    server.close()  # (exited while idle: reaped already, closes at once)
+                if self._failure is None and self._count < self.size:
+                    self._launch()
+                elif self._count == 0 and self._failure is not None:
+                    raise self._failed()
+                self._cond.wait()
+            self._count += 1
+        try:
+            return self._started()  # (closed: a server for this build alone, closed after it)
+        except BaseException:
+            self._drop_count()
+            raise
+
+    def _failed(self) -> CompileError:
+        failure, self._failure = self._failure, None  # (reported once: a later build retries)
+        return CompileError(f"CL:{self.index}: a compile server could not start: {failure}")
+
+    def _launch(self) -> None:
+        self._count += 1
+        threading.Thread(
+            target=self._start, name=f"CL:{self.index} compile server start", daemon=True
+        ).start()
+
+    def _start(self) -> None:
+        try:
+            server = self._started()
+        except Exception as exc:
+            with self._cond:
+                self._count -= 1
+                self._failure = exc
+                self._cond.notify_all()
+            return
+        self._put_back(server)
+
+    def _started(self) -> BuildServer:
+        """A new server that ran the warm-up build."""
+        server = self._new_server()
+        try:
+            server.build(WARM)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def _new_server(self) -> BuildServer:
+        return BuildServer(self.index)
 
     def _put_back(self, server: BuildServer) -> None:
-        with self._lock:
+        with self._cond:
             if not self._closed:
                 self._idle.append(server)
+                self._cond.notify_all()
                 return
+        self._drop(server)
+
+    def _drop(self, server: BuildServer) -> None:
         server.close()
+        self._drop_count()
+
+    def _drop_count(self) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()  # (a waiting build may start the replacement)
 
     def close(self) -> None:
-        """End the idle servers; busy ones end when their build returns."""
-        with self._lock:
+        """End the idle servers; busy and starting ones end when their build returns."""
+        with self._cond:
             self._closed, idle, self._idle = True, self._idle, []
+            self._cond.notify_all()
         for server in idle:
-            server.close()
+            self._drop(server)
 
 
 def serve(index: int) -> None:

@@ -1,0 +1,143 @@
+"""The CL compile-server pool (aiotinyrt/backends/cl_build.py): which server a build runs on,
+servers warmed before they take a build, a server that cannot start. Fake servers stand in for
+the processes where the test steers their timing; the last test runs real ones."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from aiotinyrt import CompileError
+from aiotinyrt.backends import cl_build
+
+
+class FakeProc:
+    """What the pool reads of a server's process."""
+
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class FakeServer:
+    """A server whose builds (all but the warm-up) wait for ``gate`` when one is given."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.proc = FakeProc()
+        self.built: list[str] = []
+        self.gate = gate
+        self.entered = threading.Event()  # set when a build other than the warm-up began
+        self.closed = False
+
+    def build(self, src: str) -> bytes:
+        self.built.append(src)
+        if src != cl_build.WARM:
+            self.entered.set()
+            if self.gate is not None:
+                assert self.gate.wait(60)
+        return src.encode()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _run(pool: cl_build.BuildPool, src: str, out: dict[str, bytes | BaseException]) -> threading.Thread:
+    def target() -> None:
+        try:
+            out[src] = pool.build(src)
+        except BaseException as exc:
+            out[src] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_build_that_finds_every_server_busy_takes_the_first_one_freed_while_a_new_one_starts() -> None:
+    pool = cl_build.BuildPool(0, size=2)
+    free_first, let_second_start, second_starting = threading.Event(), threading.Event(), threading.Event()
+    first, made = FakeServer(gate=free_first), []
+
+    def new_server() -> FakeServer:
+        if made:  # the second start is slow: a cold server is ~4 builds of CPU (LLVM's start-up)
+            second_starting.set()
+            assert let_second_start.wait(60)
+        made.append(first if not made else FakeServer())
+        return made[-1]
+
+    pool._new_server = new_server  # type: ignore[method-assign]
+    out: dict[str, bytes | BaseException] = {}
+    try:
+        a = _run(pool, "a", out)
+        assert first.entered.wait(60)  # "a" holds the only server
+        b = _run(pool, "b", out)
+        assert second_starting.wait(60)  # "b" found no idle server: a second one starts
+        free_first.set()
+        b.join(60)
+        assert not b.is_alive(), "the build waited for the new server, not the one freed first"
+        a.join(60)
+        assert out == {"a": b"a", "b": b"b"} and first.built == [cl_build.WARM, "a", "b"]
+    finally:
+        free_first.set()
+        let_second_start.set()
+    pool.start()  # the second server comes up and is kept, warmed
+    assert len(made) == 2 and made[1].built == [cl_build.WARM]
+    assert sorted(map(id, pool._idle)) == sorted(map(id, made))
+    pool.close()
+    assert all(server.closed for server in made)
+
+
+def test_a_new_server_runs_the_warm_up_build_before_it_takes_a_build() -> None:
+    pool = cl_build.BuildPool(0, size=1)
+    server = FakeServer()
+    pool._new_server = lambda: server  # type: ignore[method-assign]
+    assert pool.build("k") == b"k"
+    assert server.built == [cl_build.WARM, "k"]
+    pool.close()
+
+
+def test_a_server_that_cannot_start_fails_the_build_with_a_compile_error_and_a_later_build_retries() -> None:
+    pool = cl_build.BuildPool(0, size=2)
+    starts = []
+
+    def new_server() -> FakeServer:
+        starts.append(1)
+        if len(starts) == 1:
+            raise OSError("no such interpreter")
+        return FakeServer()
+
+    pool._new_server = new_server  # type: ignore[method-assign]
+    with pytest.raises(CompileError, match=r"CL:0: a compile server could not start: no such interpreter"):
+        pool.build("k")
+    assert pool.build("k") == b"k"  # the next build starts a server again
+    pool.close()
+
+
+def test_a_build_after_close_still_runs_on_a_server_of_its_own_that_is_then_closed() -> None:
+    pool = cl_build.BuildPool(0, size=1)
+    made: list[FakeServer] = []
+    pool._new_server = lambda: made.append(FakeServer()) or made[-1]  # type: ignore[method-assign]
+    pool.close()
+    assert pool.build("k") == b"k"
+    assert len(made) == 1 and made[0].closed and pool._idle == []
+
+
+def test_start_readies_real_servers_and_two_builds_at_once_run_in_two_processes() -> None:
+    pool = cl_build.BuildPool(0, size=2)
+    try:
+        pool.start()
+        servers = list(pool._idle)
+        assert len(servers) == 2 and len({s.proc.pid for s in servers} | {os.getpid()}) == 3
+        kernel = "__kernel void k{0}(__global int* a) {{ a[0] = {0}; }}"
+        out: dict[str, bytes | BaseException] = {}
+        threads = [_run(pool, kernel.format(i), out) for i in range(2)]
+        for thread in threads:
+            thread.join(120)
+        assert all(isinstance(lib, bytes) and lib for lib in out.values()) and len(out) == 2
+        assert sorted(map(id, pool._idle)) == sorted(map(id, servers))  # no third server
+    finally:
+        pool.close()
+    assert all(s.proc.poll() is not None for s in servers)
