@@ -79,23 +79,23 @@ def test_a_build_that_finds_every_server_busy_takes_the_first_one_freed_while_a_
         b.join(60)
         assert not b.is_alive(), "the build waited for the new server, not the one freed first"
         a.join(60)
-        assert out == {"a": b"a", "b": b"b"} and first.built == [cl_build.WARM, "a", "b"]
+        assert out == {"a": b"a", "b": b"b"} and first.built == ["a", "b"]
     finally:
         free_first.set()
         let_second_start.set()
-    pool.start()  # the second server comes up and is kept, warmed
+    pool.start()  # the second server, started while the first was busy, comes up warmed
     assert len(made) == 2 and made[1].built == [cl_build.WARM]
     assert sorted(map(id, pool._idle)) == sorted(map(id, made))
     pool.close()
     assert all(server.closed for server in made)
 
 
-def test_a_new_server_runs_the_warm_up_build_before_it_takes_a_build() -> None:
-    pool = cl_build.BuildPool(0, size=1)
-    server = FakeServer()
-    pool._new_server = lambda: server  # type: ignore[method-assign]
-    assert pool.build("k") == b"k"
-    assert server.built == [cl_build.WARM, "k"]
+def test_a_build_with_no_server_to_wait_for_starts_one_itself_without_the_warm_up() -> None:
+    pool = cl_build.BuildPool(0, size=2)
+    made: list[FakeServer] = []
+    pool._new_server = lambda: made.append(FakeServer()) or made[-1]  # type: ignore[method-assign]
+    assert pool.build("k") == b"k" and pool.build("l") == b"l"  # one server, reused
+    assert len(made) == 1 and made[0].built == ["k", "l"]
     pool.close()
 
 
@@ -141,3 +141,48 @@ def test_start_readies_real_servers_and_two_builds_at_once_run_in_two_processes(
     finally:
         pool.close()
     assert all(s.proc.poll() is not None for s in servers)
+
+
+class CountedCondition(threading.Condition):
+    """A condition that sets ``waited[n]`` when ``wait`` is called for the n-th time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = [threading.Event() for _ in range(8)]
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        self.waited[min(self.waits, 7)].set()
+        return super().wait(timeout)
+
+
+def test_a_server_that_fails_to_start_while_another_is_busy_leaves_the_build_to_the_busy_one() -> None:
+    pool = cl_build.BuildPool(0, size=2)
+    pool._cond = cond = CountedCondition()
+    free_first, calls = threading.Event(), []
+    first = FakeServer(gate=free_first)
+
+    def new_server() -> FakeServer:
+        calls.append(1)
+        if len(calls) == 1:
+            return first
+        raise OSError("out of processes")
+
+    pool._new_server = new_server  # type: ignore[method-assign]
+    out: dict[str, bytes | BaseException] = {}
+    a = _run(pool, "a", out)  # (the first server is the build's own: no wait)
+    assert first.entered.wait(60)
+    b = _run(pool, "b", out)
+    assert cond.waited[2].wait(60)  # "b" waited, woke to the failed start, and waits again
+    for thread in threading.enumerate():
+        if thread.name == "CL:0 compile server start":
+            thread.join(60)
+    assert len(calls) == 2  # the failed start is not retried while a server can take the build
+    free_first.set()
+    a.join(60)
+    b.join(60)
+    assert out == {"a": b"a", "b": b"b"} and first.built == ["a", "b"]
+    with pytest.raises(CompileError, match="could not start: out of processes"):
+        pool.start()  # (start() reports it)
+    pool.close()

@@ -88,11 +88,12 @@ class BuildPool:
     takes an idle server, else the first one to become idle. Thread-safe; a forked child starts
     its own.
 
-    A new server is started (on a thread of its own) when a build finds none idle and the pool
-    has room, and it runs the warm-up build :data:`WARM` before it takes a build: a cold server
-    pays Python's and PoCL's start-up and LLVM's first build (~1.4 s of CPU here, four builds'
-    worth), so a build that finds every server busy takes whichever becomes idle first, the busy
-    one or the new one, and never waits out a start-up behind a build that ends sooner."""
+    A cold server pays Python's and PoCL's start-up and LLVM's first build: ~1.4 s of CPU here,
+    four builds' worth. So a build that finds every server busy, with room in the pool, starts
+    one more on a thread of its own, which runs the warm-up build :data:`WARM` before it is
+    idle, and the build takes whichever server becomes idle first: the busy one when its build
+    ends sooner than the start-up, never a server still starting. A build with no server at all
+    to wait for starts one itself (no warm-up: it is that server's first build)."""
 
     def __init__(self, index: int, size: int | None = None) -> None:
         self.index = index
@@ -154,17 +155,18 @@ class BuildPool:
                         return server
                     self._count -= 1
                     server.close()  # (exited while idle: reaped already, closes at once)
+                if self._count == 0:  # nothing to wait for: a server of this build's own, below
+                    self._failure = None
+                    break
                 if self._failure is None and self._count < self.size:
                     self._launch()
-                elif self._count == 0 and self._failure is not None:
-                    raise self._failed()
                 self._cond.wait()
             self._count += 1
-        try:
-            return self._started()  # (closed: a server for this build alone, closed after it)
-        except BaseException:
+        try:  # (no warm-up: this build is its first, and once closed, its only one)
+            return self._new_server()
+        except Exception as exc:
             self._drop_count()
-            raise
+            raise CompileError(f"CL:{self.index}: a compile server could not start: {exc}") from exc
 
     def _failed(self) -> CompileError:
         failure, self._failure = self._failure, None  # (reported once: a later build retries)
@@ -177,25 +179,22 @@ class BuildPool:
         ).start()
 
     def _start(self) -> None:
+        """A server started while others are busy or starting: it runs the warm-up build
+        before it is idle, so a build that takes it pays no start-up."""
         try:
-            server = self._started()
+            server = self._new_server()
+            try:
+                server.build(WARM)
+            except BaseException:
+                server.close()
+                raise
         except Exception as exc:
             with self._cond:
                 self._count -= 1
-                self._failure = exc
+                self._failure = exc  # (no more starts until a build has nothing to wait for)
                 self._cond.notify_all()
             return
         self._put_back(server)
-
-    def _started(self) -> BuildServer:
-        """A new server that ran the warm-up build."""
-        server = self._new_server()
-        try:
-            server.build(WARM)
-        except BaseException:
-            server.close()
-            raise
-        return server
 
     def _new_server(self) -> BuildServer:
         return BuildServer(self.index)
