@@ -5,6 +5,8 @@ the processes where the test steers their timing; the last test runs real ones."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -186,3 +188,16 @@ def test_a_server_that_fails_to_start_while_another_is_busy_leaves_the_build_to_
     with pytest.raises(CompileError, match="could not start: out of processes"):
         pool.start()  # (start() reports it)
     pool.close()
+
+
+def test_a_server_whose_parent_stopped_reading_exits_quietly() -> None:
+    argv = [sys.executable, "-m", "aiotinyrt.backends.cl_build", "0"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    data = cl_build.WARM.encode()
+    proc.stdout.close()  # (a parent gone while its build ran: the reply has no reader)
+    proc.stdin.write(len(data).to_bytes(4, "little") + data)
+    proc.stdin.close()
+    assert proc.wait(120) == 0
+    assert proc.stderr.read() == b""
+    proc.stderr.close()

@@ -226,7 +226,8 @@ class BuildPool:
 
 
 def serve(index: int) -> None:
-    """The server's loop: build each source read from stdin, reply on stdout, until EOF."""
+    """The server's loop: build each source read from stdin, reply on stdout, until EOF or
+    until the reply has no reader (the parent exited or closed the pool while this built)."""
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # (the driver's own output goes to stderr, never into a reply)
     _, device = ocl.devices()[index]
@@ -244,8 +245,11 @@ def serve(index: int) -> None:
             reply = (
                 kind + exc.code.to_bytes(4, "little", signed=True) + len(data).to_bytes(4, "little") + data
             )
-        replies.write(reply)
-        replies.flush()
+        try:
+            replies.write(reply)
+            replies.flush()
+        except BrokenPipeError:
+            os._exit(0)  # (quietly: the buffered reply must not be flushed again at exit)
 
 
 if __name__ == "__main__":
