@@ -364,6 +364,7 @@ def compile_rows(s: Samples) -> None:
     s.add("compile|2 servers at once vs one after the other in 1 (x, this repetition)", one_by_one / seconds)
     s.add("compile|server CPU per build, one after the other (ms)", cpu / 2 * 1e3)
     s.add("compile|server CPU per build, 2 servers at once (ms)", both / 2 * 1e3)
+    s.add("compile|cores the 2 servers ran on while they built", both / seconds)
     s.add(
         "compile|CPU others took while 2 servers build (other processes, hypervisor steal; cores)",
         max(busy - both - mine, 0) / seconds,
