@@ -2,6 +2,7 @@
 
     python bench/cl.py                 # 5 repetitions, 20k pipelined launches, 64 MiB copies
     python bench/cl.py --launches 100000 --reps 3
+    python bench/cl.py --only compile   # the compile rows alone
 
 Every figure is the median over the repetitions (the copy rows: over every copy); each
 repetition runs every row once, in the same order, so slow phases of a noisy machine hit all
@@ -303,7 +304,9 @@ def compile_rows(s: Samples) -> None:
     """Two builds of distinct kernels of the same size (PoCL's kernel cache off, so each runs
     LLVM): one after the other in this process, on two threads of this process, one after the
     other in one compile server, and in two compile servers at once; the servers' CPU per build
-    each way, and the CPU other processes took while the two servers built."""
+    each way, and the CPU other processes took while the two servers built. Then a new pool:
+    its first build (a server's start-up), and two builds at once while it holds that one server
+    (the second build takes it when the first returns; a second server starts meanwhile)."""
     dev = Device["CL"]
     assert isinstance(dev, CLDevice)
     tag = [0]
@@ -369,6 +372,25 @@ def compile_rows(s: Samples) -> None:
         "compile|CPU others took while 2 servers build (other processes, hypervisor steal; cores)",
         max(busy - both - mine, 0) / seconds,
     )
+
+    fresh = BuildPool(0, size=2)  # (a pool of no server: the first build starts one itself)
+    t = time.perf_counter()
+    fresh.build(src())
+    s.add(
+        "compile|a new pool's first build: a server's start-up + the build (ms)",
+        (time.perf_counter() - t) * 1e3,
+    )
+    workers[:] = [threading.Thread(target=fresh.build, args=(src(),)) for _ in range(2)]
+    t = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    s.add(
+        "compile|then 2 builds at once, the pool holding that 1 server (ms)", (time.perf_counter() - t) * 1e3
+    )
+    fresh.start()  # (the second server, started meanwhile, warms before the next rows)
+    fresh.close()
 
 
 _pools: list[BuildPool] = []
