@@ -301,12 +301,11 @@ def _two_at_once(start: Callable[[], list[int]], alive: Callable[[], list[bool]]
 
 
 def compile_rows(s: Samples) -> None:
-    """Two builds of distinct kernels of the same size (PoCL's kernel cache off, so each runs
-    LLVM): one after the other in this process, on two threads of this process, one after the
-    other in one compile server, and in two compile servers at once; the servers' CPU per build
-    each way, and the CPU other processes took while the two servers built. Then a new pool:
-    its first build (a server's start-up), and two builds at once while it holds that one server
-    (the second build takes it when the first returns; a second server starts meanwhile)."""
+    """Builds of distinct kernels of the same size (PoCL's kernel cache off, so each runs LLVM):
+    two one after the other in this process and on two threads of this process; then 2 and 8
+    one after the other in one compile server and at once in two, with the servers' CPU per
+    build each way and the cores other processes took meanwhile (a repetition in which they
+    took under QUIET cores in both halves counts as quiet); then a new pool (_fresh_rows)."""
     dev = Device["CL"]
     assert isinstance(dev, CLDevice)
     tag = [0]
@@ -342,45 +341,61 @@ def compile_rows(s: Samples) -> None:
     s.add("compile|2 builds on 2 threads, in-process (ms)", seconds * 1e3)
     s.add("compile|2 builds on 2 threads: one waits (% of samples)", waits * 100)
     pool = _pool()
-    servers = list(pool._idle)  # (two warmed servers: the next two builds take one each)
+    servers = list(pool._idle)  # (two warmed servers: two builds at once take one each)
     pids = [srv.proc.pid for srv in servers]
-    cpu, busy, mine = _cpu(pids[0]), _busy(), time.process_time()
-    t = time.perf_counter()
-    servers[0].build(src())
-    servers[0].build(src())
-    one_by_one = time.perf_counter() - t
-    cpu = _cpu(pids[0]) - cpu
-    others = (_busy() - busy - cpu - (time.process_time() - mine)) / one_by_one
-    s.add("compile|2 builds one after the other, in 1 compile server (ms)", one_by_one * 1e3)
+    for n in (2, 8):
+        first = [src() for _ in range(n)]
+        one = _phase(pids, lambda: [servers[0].build(text) for text in first])  # noqa: B023 (called at once)
+        second = [src() for _ in range(n)]
 
-    def serve() -> list[int]:
-        workers[:] = [threading.Thread(target=pool.build, args=(src(),)) for _ in range(2)]
-        for w in workers:
-            w.start()
-        return [-pid for pid in pids]
+        def serve() -> list[int]:
+            workers[:] = [threading.Thread(target=pool.build, args=(text,)) for text in second]  # noqa: B023
+            for w in workers:
+                w.start()
+            return [-pid for pid in pids]
 
-    cpus, busy, mine = [_cpu(pid) for pid in pids], _busy(), time.process_time()
-    seconds, waits = _two_at_once(serve, lambda: [w.is_alive() for w in workers])
-    mine, busy = time.process_time() - mine, _busy() - busy
-    both = sum(_cpu(pid) for pid in pids) - sum(cpus)
-    s.add("compile|2 builds in 2 compile servers (ms)", seconds * 1e3)
-    s.add("compile|2 builds in 2 compile servers: one waits (% of samples)", waits * 100)
-    s.add("compile|2 servers at once vs one after the other in 1 (x, this repetition)", one_by_one / seconds)
-    s.add("compile|server CPU per build, one after the other (ms)", cpu / 2 * 1e3)
-    s.add("compile|server CPU per build, 2 servers at once (ms)", both / 2 * 1e3)
-    s.add("compile|cores the 2 servers ran on while they built", both / seconds)
-    s.add("compile|CPU others took while 1 server built (other processes, hypervisor steal; cores)", others)
-    others = max(others, (busy - both - mine) / seconds)
-    s.add("compile|CPU others took while 2 servers built (cores)", (busy - both - mine) / seconds)
-    key = "compile|2 servers vs 1, repetitions others left quiet (x)"
-    if others < QUIET:  # (in both halves: then wall time shows what the two cores do)
-        s.add(key, one_by_one / seconds)
-    s.notes["compile"] = (
-        f"{len(s.values.get(key, []))} of {len(s.values['compile|2 builds in 2 compile servers (ms)'])} "
-        "repetitions quiet "
+        two = _phase(pids, lambda: _two_at_once(serve, lambda: [w.is_alive() for w in workers])[1])
+        _server_rows(s, n, one, two)
+    _fresh_rows(s, src)
+
+
+def _phase(pids: list[int], run: Callable[[], Any]) -> tuple[float, float, float, Any]:
+    """``run()``: its wall seconds, the CPU seconds of the servers ``pids`` and the cores other
+    processes took meanwhile (the machine's busy time less the servers' and this process's)."""
+    cpus, busy, mine, t = [_cpu(pid) for pid in pids], _busy(), time.process_time(), time.perf_counter()
+    out = run()
+    wall = time.perf_counter() - t
+    cpu = sum(_cpu(pid) for pid in pids) - sum(cpus)
+    return wall, cpu, max(_busy() - busy - cpu - (time.process_time() - mine), 0) / wall, out
+
+
+def _server_rows(
+    s: Samples, n: int, one: tuple[float, float, float, Any], two: tuple[float, float, float, Any]
+) -> None:
+    """The rows of ``n`` builds one after the other in one server (``one``) and on two (``two``)."""
+    s.add(f"compile|{n} builds one after the other, in 1 compile server (ms)", one[0] * 1e3)
+    s.add(f"compile|{n} builds in 2 compile servers (ms)", two[0] * 1e3)
+    if n == 2:
+        s.add("compile|2 builds in 2 compile servers: one waits (% of samples)", two[3] * 100)
+    s.add(f"compile|{n} builds: 2 servers vs 1 (x, this repetition)", one[0] / two[0])
+    s.add(f"compile|{n} builds: server CPU per build, 1 server (ms)", one[1] / n * 1e3)
+    s.add(f"compile|{n} builds: server CPU per build, 2 servers (ms)", two[1] / n * 1e3)
+    s.add(f"compile|{n} builds: cores the 2 servers ran on", two[1] / two[0])
+    s.add(f"compile|{n} builds: cores others took, 1 server (other processes, hypervisor steal)", one[2])
+    s.add(f"compile|{n} builds: cores others took, 2 servers", two[2])
+    key = f"compile|{n} builds: 2 servers vs 1, repetitions others left quiet (x)"
+    if max(one[2], two[2]) < QUIET:  # (in both halves: then wall time shows what two cores do)
+        s.add(key, one[0] / two[0])
+    runs = len(s.values[f"compile|{n} builds in 2 compile servers (ms)"])
+    s.notes[f"compile, {n} builds"] = (
+        f"{len(s.values.get(key, []))} of {runs} repetitions quiet "
         f"(others took under {QUIET} cores while one server built and while two did)"
     )
 
+
+def _fresh_rows(s: Samples, src: Callable[[], str]) -> None:
+    """A new pool: its first build (a server's start-up), then two builds at once while it holds
+    that one server (the second takes it when the first returns; a second server starts)."""
     fresh = BuildPool(0, size=2)  # (a pool of no server: the first build starts one itself)
     t = time.perf_counter()
     fresh.build(src())
@@ -388,7 +403,7 @@ def compile_rows(s: Samples) -> None:
         "compile|a new pool's first build: a server's start-up + the build (ms)",
         (time.perf_counter() - t) * 1e3,
     )
-    workers[:] = [threading.Thread(target=fresh.build, args=(src(),)) for _ in range(2)]
+    workers = [threading.Thread(target=fresh.build, args=(src(),)) for _ in range(2)]
     t = time.perf_counter()
     for w in workers:
         w.start()

@@ -1,8 +1,8 @@
 """The CL compile server: ``clBuildProgram`` in subprocesses, so that builds run side by side.
 
 PoCL builds with LLVM inside the calling process, and two builds in one process take turns on a
-lock inside it (docs/architecture.md, "The OpenCL backend": sampled, one of two build threads is
-blocked ~95 % of the time, with one context or one each; two server processes both run ~99 %).
+lock inside it (docs/architecture.md, "The OpenCL backend": sampled, one of two build threads
+waits in ~92 % of the samples, with one context or one each; of two server processes, in 2-8 %).
 So :class:`CLCompiler <aiotinyrt.backends.ops_cl.CLCompiler>` hands each build to a server
 process of a small pool per device: ``python -m aiotinyrt.backends.cl_build <index>`` opens
 device ``<index>`` (``CL:<index>``, the same discovery order), builds each source it is sent and
