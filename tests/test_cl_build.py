@@ -201,3 +201,100 @@ def test_a_server_whose_parent_stopped_reading_exits_quietly() -> None:
     assert proc.wait(120) == 0
     assert proc.stderr.read() == b""
     proc.stderr.close()
+
+
+class WarmedServer(FakeServer):
+    """A fake server that sets ``warmed`` once its warm-up build ran."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        super().__init__(gate)
+        self.warmed = threading.Event()
+
+    def build(self, src: str) -> bytes:
+        if src == cl_build.WARM:
+            self.warmed.set()
+        return super().build(src)
+
+
+def test_start_replaces_a_server_that_died_while_it_waited() -> None:
+    """start() waits for the pool to hold n idle servers: one dying meanwhile is replaced (it
+    waited forever for an idle server that could no longer come)."""
+    pool = cl_build.BuildPool(0, size=2)
+    die, made = threading.Event(), []
+
+    class Dying(FakeServer):
+        def build(self, src: str) -> bytes:
+            super().build(src)
+            raise CompileError("the server exited during the build")
+
+    def new_server() -> FakeServer:
+        made.append(Dying(gate=die) if not made else WarmedServer())
+        return made[-1]
+
+    pool._new_server = new_server  # type: ignore[method-assign]
+    out: dict[str, bytes | BaseException] = {}
+    a = _run(pool, "a", out)  # (on a server of its own, which dies when let go)
+    assert made and made[0].entered.wait(60)
+    starting = threading.Thread(target=pool.start, daemon=True)
+    starting.start()
+    assert len(made) >= 2 and made[1].warmed.wait(60)  # type: ignore[attr-defined]
+    die.set()
+    a.join(60)
+    starting.join(30)
+    assert not starting.is_alive() and len(pool._idle) == 2
+    assert out == {"a": b"a"} and len(made) == 3
+    pool.close()
+
+
+def test_a_failed_background_start_does_not_stop_the_pool_from_growing_for_good() -> None:
+    """After a start that failed once, a later build may start a server again (retry_s later;
+    0 here): builds do not all queue on the one server left for the life of the pool."""
+    pool = cl_build.BuildPool(0, size=4)
+    pool.retry_s = 0.0
+    free, made = threading.Event(), []
+
+    def new_server() -> FakeServer:
+        made.append(1)
+        if len(made) == 1:
+            return FakeServer(gate=free)  # busy until the end of the test
+        if len(made) == 2:
+            raise OSError("fork: EAGAIN")  # once
+        return FakeServer()
+
+    pool._new_server = new_server  # type: ignore[method-assign]
+    out: dict[str, bytes | BaseException] = {}
+    a = _run(pool, "a", out)
+    b = _run(pool, "b", out)
+    b.join(30)
+    assert out.get("b") == b"b" and "a" not in out  # b ran beside a, on a server started again
+    free.set()
+    a.join(60)
+    pool.close()
+
+
+def test_builds_waiting_when_the_pool_closes_fail_and_start_no_servers() -> None:
+    pool = cl_build.BuildPool(0, size=1)
+    free, made = threading.Event(), []
+    pool._new_server = lambda: made.append(FakeServer(gate=free)) or made[-1]  # type: ignore[method-assign]
+    pool._cond = cond = CountedCondition()
+    out: dict[str, bytes | BaseException] = {}
+    a = _run(pool, "a", out)
+    assert made and made[0].entered.wait(60)
+    waiting = [_run(pool, f"w{i}", out) for i in range(3)]
+    assert cond.waited[3].wait(60)  # (all three wait for the one server)
+    pool.close()
+    for thread in waiting:
+        thread.join(30)
+    assert all(isinstance(out[f"w{i}"], CompileError) for i in range(3)) and len(made) == 1
+    free.set()
+    a.join(60)
+    assert out["a"] == b"a" and made[0].closed
+
+
+def test_start_on_a_closed_pool_starts_nothing() -> None:
+    pool = cl_build.BuildPool(0, size=2)
+    made: list[FakeServer] = []
+    pool._new_server = lambda: made.append(FakeServer()) or made[-1]  # type: ignore[method-assign]
+    pool.close()
+    pool.start()
+    assert made == [] and pool._count == 0

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import IO
 
 from aiotinyrt.backends import opencl as ocl
@@ -29,6 +30,7 @@ from aiotinyrt.compiler import CompileError
 
 #: The build a new server runs first: LLVM's start-up, before a build of the caller waits on it.
 WARM = "__kernel void aiotinyrt_warm(__global int* o) { o[0] = 1; }"
+_FORK_LOCK = threading.Lock()  # (a forked child's pools reset once each)
 
 
 class BuildServer:
@@ -93,7 +95,12 @@ class BuildPool:
     one more on a thread of its own, which runs the warm-up build :data:`WARM` before it is
     idle, and the build takes whichever server becomes idle first: the busy one when its build
     ends sooner than the start-up, never a server still starting. A build with no server at all
-    to wait for starts one itself (no warm-up: it is that server's first build)."""
+    to wait for starts one itself (no warm-up: it is that server's first build). After a start
+    that failed, no other starts in the background for :attr:`retry_s` seconds (the builds take
+    the servers there are); a build still waiting when the pool closes fails."""
+
+    #: After a background start failed, none for this long (seconds).
+    retry_s = 1.0
 
     def __init__(self, index: int, size: int | None = None) -> None:
         self.index = index
@@ -106,7 +113,16 @@ class BuildPool:
         self._cond = threading.Condition()
         self._idle: list[BuildServer] = []
         self._count = 0  # servers idle, busy or starting
-        self._failure: BaseException | None = None  # the last start that failed, not yet reported
+        self._failure: BaseException | None = None  # the last background start that failed
+        self._failures = 0  # background starts that failed (start() reports those of its call)
+        self._retry_at = 0.0  # (time.monotonic) no background start before this
+
+    def _check_fork(self) -> None:
+        """In a forked child the servers, threads and lock are the parent's: start anew."""
+        if self._pid != os.getpid():
+            with _FORK_LOCK:
+                if self._pid != os.getpid():
+                    self._reset()
 
     def build(self, src: str) -> bytes:
         """Build ``src`` on a server (blocking: call it from a worker thread). A server that
@@ -135,18 +151,20 @@ class BuildPool:
     def start(self, n: int | None = None) -> None:
         """Start servers until the pool holds ``n`` (default and at most: ``size``) and wait
         until each is idle and warmed (blocking); ``CompileError`` when one could not start."""
+        self._check_fork()
         n = min(self.size if n is None else n, self.size)
         with self._cond:
-            while self._count < n:
-                self._launch()
+            failures = self._failures
             while len(self._idle) < n and not self._closed:
-                if self._failure is not None:
-                    raise self._failed()
-                self._cond.wait()
+                if self._failures != failures:  # (a start of this call, or one beside it)
+                    raise CompileError(f"CL:{self.index}: a compile server could not start: {self._failure}")
+                if self._count < n:  # (also when one died meanwhile)
+                    self._launch()
+                else:
+                    self._cond.wait()
 
     def _take(self) -> BuildServer:
-        if self._pid != os.getpid():  # (forked: the servers and threads are the parent's)
-            self._reset()
+        self._check_fork()
         with self._cond:
             while not self._closed:
                 while self._idle:
@@ -156,21 +174,18 @@ class BuildPool:
                     self._count -= 1
                     server.close()  # (exited while idle: reaped already, closes at once)
                 if self._count == 0:  # nothing to wait for: a server of this build's own, below
-                    self._failure = None
                     break
-                if self._failure is None and self._count < self.size:
+                if self._count < self.size and time.monotonic() >= self._retry_at:
                     self._launch()
                 self._cond.wait()
+                if self._closed:  # (closed while this build waited: no server of its own)
+                    raise CompileError(f"CL:{self.index}: the compile servers closed while this build waited")
             self._count += 1
         try:  # (no warm-up: this build is its first, and once closed, its only one)
             return self._new_server()
         except Exception as exc:
             self._drop_count()
             raise CompileError(f"CL:{self.index}: a compile server could not start: {exc}") from exc
-
-    def _failed(self) -> CompileError:
-        failure, self._failure = self._failure, None  # (reported once: a later build retries)
-        return CompileError(f"CL:{self.index}: a compile server could not start: {failure}")
 
     def _launch(self) -> None:
         self._count += 1
@@ -191,7 +206,8 @@ class BuildPool:
         except Exception as exc:
             with self._cond:
                 self._count -= 1
-                self._failure = exc  # (no more starts until a build has nothing to wait for)
+                self._failure, self._failures = exc, self._failures + 1
+                self._retry_at = time.monotonic() + self.retry_s  # (not one start per wake-up)
                 self._cond.notify_all()
             return
         self._put_back(server)
@@ -218,6 +234,7 @@ class BuildPool:
 
     def close(self) -> None:
         """End the idle servers; busy and starting ones end when their build returns."""
+        self._check_fork()
         with self._cond:
             self._closed, idle, self._idle = True, self._idle, []
             self._cond.notify_all()
