@@ -14,7 +14,10 @@
   :func:`~aiotinyrt.driverqueue.report`: one lock round trip and one timeline advance for the
   batch. Each event's execution status is read, so a failed one fails exactly its command (and
   the queue's sticky error the later ones). A Python command ends a batch: the waiter runs it
-  once its marker completed, then sets its user event.
+  once its marker completed, then sets its user event. With the native library the wait and
+  the reading of a batch are one C call (``clq_wait`` of :mod:`aiotinyrt.native`'s
+  ``clq.c``, which keeps a reference of its own to each event handed over with ``clq_push``);
+  without it (``NATIVE_QUEUE=0``) the waiter makes those calls in Python.
 - Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
   before it reports, the DriverQueue its own when the command completed.
 """
