@@ -167,7 +167,7 @@ class Host:
                     else:
                         results[i] = await ops[cmd[0]](client, bufs, sigs, cmd)
                 except Exception as exc:
-                    results[i] = wire.failure(self.name, self._explain(client, exc))
+                    results[i] = self._failure(client, exc)
         finally:
             self._next[client] = seq + 1
             async with self._turn:
@@ -176,7 +176,7 @@ class Host:
             try:  # (most are done by the time the last one is: no loop round trip for them)
                 results[i] = sig.result() if sig.done() else await sig
             except Exception as exc:
-                results[i] = wire.failure(self.name, exc)
+                results[i] = self._failure(client, exc)
             sigs.pop(cid, None)
         return results
 
@@ -186,17 +186,27 @@ class Host:
         try:
             buf = _buffer(self._bufs.get(client, {}), ref)
         except _NotHere as exc:
-            raise self._explain(client, exc) from None
+            error = self._explain(client, exc)
+            raise error.with_traceback(None) from None  # (a stored error: raised at each such read)
         return await self._export(buf)
+
+    def _failure(self, client: str, exc: Exception) -> Any:
+        """The reply entry of a command that failed with ``exc``; never raises (an error that
+        does not even format still fails only its own command)."""
+        try:
+            return wire.failure(self.name, self._explain(client, exc))
+        except Exception as bad:
+            return (0.0, f"{self.name}: {type(exc).__name__} (not reportable: {type(bad).__name__})", None, None)
 
     def _explain(self, client: str, exc: Exception) -> Exception:
         """The error a command failed with, for the client: a buffer that is not here is named
-        with why (its allocation's own error, where it failed)."""
+        with why (its allocation's own error, where it failed: that exception itself, whatever
+        its constructor takes)."""
         if not isinstance(exc, _NotHere):
             return exc
         failed = self._failed.get(client, {}).get(exc.rid)
         if failed is not None:
-            return type(failed[1])(str(failed[1]))
+            return failed[1]
         return RuntimeError(
             f"buffer {exc.rid} is not on host {self.name} (freed, or allocated on a host of this "
             "name the client was connected to before)"

@@ -160,10 +160,12 @@ class RayStore:
 
 def failure(host: str, exc: BaseException) -> tuple[float, str, None, BaseException | None]:
     """The reply entry of a command that failed on ``host`` with ``exc``: the message names the
-    host; the cause (a host ``DeviceError``'s own cause) travels too where it pickles."""
+    host; the cause (a host ``DeviceError``'s own cause) travels too where it pickles and
+    unpickles (an exception whose constructor does not take its message pickles, then fails to
+    unpickle: the client could not read the reply)."""
     cause = getattr(exc, "cause", None) or exc
     try:
-        pickle.dumps(cause)
+        pickle.loads(pickle.dumps(cause))
     except Exception:
         cause = None
     return (0.0, f"{host}: {exc}", None, cause)
