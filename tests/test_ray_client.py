@@ -6,8 +6,16 @@ paths on a real local cluster."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -460,3 +468,127 @@ async def test_a_late_failure_of_the_old_host_does_not_fail_the_reconnected_stre
         assert "KeyError" not in str(info.value)
     await first.aclose()
     await second.aclose()
+
+
+class _TwoArgError(RuntimeError):
+    """An error whose constructor does not take its message (as OpenCL's ``CLError``)."""
+
+    def __init__(self, call: str, code: int) -> None:
+        super().__init__(f"{call} failed ({code})")
+        self.call, self.code = call, code
+
+
+async def test_an_allocation_error_not_built_from_its_message_fails_only_that_buffers_use(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(nbytes: int, options: Any) -> Any:
+        raise _TwoArgError("clCreateBuffer", -4)
+
+    monkeypatch.setattr(Device["CPU:2"].allocator, "_alloc", refuse)  # (the host's CPU:2: this process's)
+    dev, other = Device["RAY:s1/CPU:2"], Device["RAY:s1/CPU:6"]
+    assert isinstance(dev, client.RAYDevice)
+    buf = await Buffer(dev.name, 1 << 16, dtypes.uint8).allocate()
+    with pytest.raises(DeviceError, match=r"clCreateBuffer failed \(-4\)") as info:
+        await buf.copyin(np.ones(1 << 16, np.uint8))
+    assert "device lost" not in str(info.value)
+    assert dev.conn.lost is None
+    ok = await filled_buffer(other.name, np.full(64, 5, np.uint8))  # (the host's other devices go on)
+    assert ((await ok.numpy()) == 5).all()
+    await ok.free()
+    await buf.free()
+    await dev.aclose()
+
+
+async def test_closing_a_device_releases_none_of_a_reopened_devices_buffers(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    name = f"reopen-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    first = Device[f"RAY:{name}/CPU:6"]
+    assert isinstance(first, client.RAYDevice)
+    await filled_buffer(first.name, np.ones(64, np.uint8))
+    # what aclose does first: shut down and unregister; another task reopens the name meanwhile
+    first._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
+    again = Device[f"RAY:{name}/CPU:6"]
+    assert again is not first and isinstance(again, client.RAYDevice) and again.conn is first.conn
+    buf = await Buffer(again.name, 64, dtypes.uint8).allocate()
+    await first.aclose()  # (the rest of the first device's close)
+    with anyio.fail_after(30):
+        await buf.copyin(np.full(64, 7, np.uint8))
+        assert ((await buf.numpy()) == 7).all()
+    await again.aclose()
+
+
+async def test_a_reply_raising_on_the_sender_thread_leaves_the_stream_going(stand_in: StandIn) -> None:
+    stand_in.start("sender")
+    conn = stream.Connection("sender")
+
+    failed = threading.Event()
+
+    def bad(result: Any, error: BaseException | None) -> None:
+        failed.set()
+        raise RuntimeError("handler bug")
+
+    conn.lost = "host sender: device lost (test)"  # (the part fails on the sender thread)
+    conn.send_apart([(lambda: (wire.STATS, "CPU"), bad)], puts=True)
+    assert await anyio.to_thread.run_sync(failed.wait, 30)
+    conn.lost = None
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    conn.send_apart([(lambda: (wire.STATS, "CPU"), lambda r, e: answer.set_result((r, e)))], puts=True)
+    result, error = await anyio.to_thread.run_sync(answer.result, 30)
+    assert error is None and "bytes_in_use" in result[2]
+
+
+async def test_the_first_reset_after_an_unnoticed_host_death_reconnects(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    name = f"quiet-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    await filled_buffer(dev.name, np.ones(64, np.uint8))
+    stand_in.kill(name)  # (nothing in flight: nothing notices)
+    stand_in.start(name)
+    await dev.reset()
+    buf = await filled_buffer(dev.name, np.full(64, 9, np.uint8))
+    assert ((await buf.numpy()) == 9).all()
+    await dev.aclose()
+
+
+async def test_a_dropped_connection_is_freed_with_its_threads(stand_in: StandIn) -> None:
+    stand_in.start("dropped")
+    conn = stream.connection("dropped")
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    conn.send_apart([(lambda: (wire.STATS, "CPU"), lambda r, e: answer.set_result(e))], puts=True)
+    assert await anyio.to_thread.run_sync(answer.result, 30) is None
+    threads = [t for t in (conn._sender, conn._waiter) if t is not None]
+    assert threads and all(t.is_alive() for t in threads)
+    gone = weakref.ref(conn)
+    stream._CONNECTIONS.pop("dropped", None)
+    del conn
+    gc.collect()
+    assert gone() is None
+    for thread in threads:
+        await anyio.to_thread.run_sync(thread.join, 30)
+        assert not thread.is_alive()
+
+
+def test_a_forked_child_does_not_reuse_the_parents_connections() -> None:
+    code = """
+        import os
+        from aiotinyrt.ray import stream, wire
+        from tests.ray_stand_in import StandIn
+        wire.STORE = StandIn()
+        wire.STORE.start("f")
+        conn = stream.connection("f")
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if "f" not in stream._CONNECTIONS and stream.connection("f") is not conn else 3)
+        _, status = os.waitpid(child, 0)
+        print(os.waitstatus_to_exitcode(status), stream.connection("f") is conn)
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "True"], result.stdout + result.stderr

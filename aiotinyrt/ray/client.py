@@ -102,14 +102,19 @@ class RemoteAllocator(Allocator[RemoteHandle]):
     def __init__(self, device: RAYDevice) -> None:
         super().__init__(device)
         self.remote = device
+        #: ids of the host buffers this device allocated and has not freed (closing releases
+        #: these: another device of the same name, reopened meanwhile, holds other ids)
+        self.held: set[int] = set()
 
     def _alloc(self, nbytes: int, options: BufferSpec) -> RemoteHandle:
         dev = self.remote
         rid = dev.conn.new_id()
         dev.conn.submit((wire.ALLOC, dev.remote_name, rid, nbytes, options.zero), None)
+        self.held.add(rid)
         return RemoteHandle(rid, nbytes)
 
     def _free(self, opaque: RemoteHandle, nbytes: int, options: BufferSpec) -> None:
+        self.held.discard(opaque.id)
         if not self.remote.released:
             self.remote.conn.submit((wire.FREE, opaque.id), None)
 
@@ -295,7 +300,8 @@ class RAYDevice(Compiled):
         self.remote_name = Device.canonicalize(remote)
         self.released = False
         self.conn = connection(host)  # (before the base class makes the queues)
-        super().__init__(name, RemoteAllocator(self), RemoteCompiler(self), RemoteProgram)
+        self.memory = RemoteAllocator(self)
+        super().__init__(name, self.memory, RemoteCompiler(self), RemoteProgram)
 
     def _make_queue(self, name: str) -> Queue:
         return DriverQueue(self, name, _QueueDriver(self, name), context=self.conn)
@@ -338,8 +344,9 @@ class RAYDevice(Compiled):
         await super().reset()
 
     async def aclose(self) -> None:
-        """Close as ``Compiled.aclose`` does, then release every buffer this device holds on
-        the host, after everything submitted before (in the command stream; awaited, so the
+        """Close as ``Compiled.aclose`` does, then release every buffer this device allocated
+        on the host and did not free (by id: not those of a device of this name opened again
+        meanwhile), after everything submitted before (in the command stream; awaited, so the
         host's statistics show it).
 
         Cancellation: shielded; closing always completes."""
@@ -349,7 +356,9 @@ class RAYDevice(Compiled):
             conn = self.conn
             if conn.lost is None:
                 with contextlib.suppress(DeviceError):  # (the host is gone: so is its memory)
-                    await conn.request((wire.RELEASE, self.remote_name), self.name)
+                    held = sorted(self.memory.held)
+                    self.memory.held.clear()
+                    await conn.request((wire.RELEASE, self.remote_name, held), self.name)
 
 
 Device.register("RAY", RAYDevice)

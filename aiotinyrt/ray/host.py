@@ -118,14 +118,17 @@ class Host:
         dev = await self._device(device)
         await dev.reset()
 
-    async def release(self, client: str, device: str | None = None) -> int:
-        """Free every buffer ``client`` holds (on ``device`` only, if given); returns how many."""
+    async def release(self, client: str, device: str | None = None, ids: Sequence[int] | None = None) -> int:
+        """Free every buffer ``client`` holds (on ``device`` only, if given; of those ``ids``
+        only, if given); returns how many."""
+        keep = None if ids is None else set(ids)
         bufs = self._bufs.get(client, {})
-        gone = [i for i, (dev, _) in bufs.items() if device is None or dev == device]
+        mine = lambda i, dev: (device is None or dev == device) and (keep is None or i in keep)  # noqa: E731
+        gone = [i for i, (dev, _) in bufs.items() if mine(i, dev)]
         for i in gone:
             bufs.pop(i)[1].free_nowait()
         failed = self._failed.get(client, {})
-        for i in [i for i, (dev, _) in failed.items() if device is None or dev == device]:
+        for i in [i for i, (dev, _) in failed.items() if mine(i, dev)]:
             del failed[i]
         await anyio.sleep(0)
         return len(gone)
@@ -254,7 +257,7 @@ class Host:
         return None
 
     async def _release(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
-        return (0.0, None, await self.release(client, cmd[1]), None)
+        return (0.0, None, await self.release(client, cmd[1], cmd[2]), None)
 
     async def _stats(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         return (0.0, None, await self.statistics(cmd[1]), None)
