@@ -39,7 +39,7 @@ from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
 from aiotinyrt.ray import wire
 from aiotinyrt.ray.stream import _CONNECTIONS, BATCH_LIMIT, Part, Reply, connection
-from aiotinyrt.ray.wire import Command, RemoteError
+from aiotinyrt.ray.wire import Command, HostLost, RemoteError
 from aiotinyrt.signal import DeviceError
 
 __all__ = ["BATCH_LIMIT", "_CONNECTIONS", "RAYDevice", "RemoteAllocator", "RemoteCompiler", "RemoteHandle"]
@@ -331,16 +331,20 @@ class RAYDevice(Compiled):
 
     async def reset(self) -> None:
         """Wait for queued work, clear the sticky error here and on the host; after the host
-        was lost, reconnect to the actor of that name (buffers held there are gone; the
+        was lost (found by an earlier command or by this reset's own), reconnect to the actor of that name (buffers held there are gone; the
         connection is every device of the host's, so theirs are gone too).
 
         Cancellation: cancelled while draining or reconnecting, the error stays set."""
         await self._settle()
         conn = self.conn
+        if conn.lost is None:
+            try:
+                await conn.request((wire.RESET, self.remote_name), self.name)
+            except DeviceError as exc:  # (the host died unnoticed: the reset is what finds out)
+                if not isinstance(exc.cause, HostLost) or conn.lost is None:
+                    raise
         if conn.lost is not None:
             await anyio.to_thread.run_sync(conn.reconnect)
-        else:
-            await conn.request((wire.RESET, self.remote_name), self.name)
         await super().reset()
 
     async def aclose(self) -> None:
