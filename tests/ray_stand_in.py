@@ -62,6 +62,7 @@ class StandIn:
         self._thread.start()
         self._hosts: dict[str, Host] = {}
         self._dead: set[int] = set()
+        self._killed: list[Host] = []
         self._pending: dict[int, set[concurrent.futures.Future[Any]]] = {}
         self._objects: dict[int, Any] = {}
         self._keys = itertools.count()
@@ -72,6 +73,8 @@ class StandIn:
 
     def start(self, name: str) -> Handle:
         """Start (or replace) the host ``name``."""
+        if name in self._hosts:
+            self._killed.append(self._hosts[name])  # (kept: no later host may reuse its id)
         host = self._hosts[name] = Host(name)
         return Handle(self, host)
 
@@ -93,6 +96,11 @@ class StandIn:
         """The host ``name`` dies: its pending calls fail, and so does every later one."""
         host = self._hosts.pop(name)
         self._dead.add(id(host))
+        self._killed.append(host)  # (kept: no later host may reuse its id)
+        for waiting in (self._held, self._paused):  # (their calls end: the futures fail below)
+            event = waiting.pop(id(host), None)
+            if event is not None:
+                self.loop.call_soon_threadsafe(event.set)
         for fut in self._pending.pop(id(host), set()):
             if not fut.done():
                 fut.set_exception(ActorDied(f"the actor {name} died"))

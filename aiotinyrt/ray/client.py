@@ -331,8 +331,9 @@ class RAYDevice(Compiled):
 
     async def reset(self) -> None:
         """Wait for queued work, clear the sticky error here and on the host; after the host
-        was lost (found by an earlier command or by this reset's own), reconnect to the actor of that name (buffers held there are gone; the
-        connection is every device of the host's, so theirs are gone too).
+        was lost (found by an earlier command or by this reset's own), reconnect to the actor
+        of that name (buffers held there are gone; the connection is every device of the
+        host's, so theirs are gone too).
 
         Cancellation: cancelled while draining or reconnecting, the error stays set."""
         await self._settle()

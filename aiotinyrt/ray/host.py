@@ -123,7 +123,10 @@ class Host:
         only, if given); returns how many."""
         keep = None if ids is None else set(ids)
         bufs = self._bufs.get(client, {})
-        mine = lambda i, dev: (device is None or dev == device) and (keep is None or i in keep)  # noqa: E731
+
+        def mine(i: int, dev: str) -> bool:
+            return (device is None or dev == device) and (keep is None or i in keep)
+
         gone = [i for i, (dev, _) in bufs.items() if mine(i, dev)]
         for i in gone:
             bufs.pop(i)[1].free_nowait()
@@ -199,7 +202,8 @@ class Host:
         try:
             return wire.failure(self.name, self._explain(client, exc))
         except Exception as bad:
-            return (0.0, f"{self.name}: {type(exc).__name__} (not reportable: {type(bad).__name__})", None, None)
+            message = f"{self.name}: {type(exc).__name__} (not reportable: {type(bad).__name__})"
+            return (0.0, message, None, None)
 
     def _explain(self, client: str, exc: Exception) -> Exception:
         """The error a command failed with, for the client: a buffer that is not here is named

@@ -12,9 +12,11 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import queue as _queue
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,7 +62,12 @@ class Connection:
     Reconnecting (``reset()`` after the host was lost) is an item of the outbox too: what was
     queued before it goes to the old host (and fails as lost), what follows to the new one; a
     reply of the old host that arrives late marks nothing lost (each call is tagged with the
-    connection's epoch)."""
+    connection's epoch).
+
+    Threads: the sender and the waiter start at the first hand-off that needs them and hold
+    the connection only weakly; once it is dropped (its devices gone, :data:`_CONNECTIONS` holds
+    it weakly) a sentinel stops both. A reply handler that raises fails its own command only:
+    neither thread dies of it, and the outbox is never left owned by a thread that stopped."""
 
     def __init__(self, host: str) -> None:
         self.host = host
@@ -71,10 +78,12 @@ class Connection:
         self._scheduled: Any = None  # the event loop (or trio token) that will flush, if any
         self._outbox: collections.deque[_Item] = collections.deque()
         self._draining = False  # a thread is sending the outbox
-        self._wake: _queue.SimpleQueue[bool] = _queue.SimpleQueue()  # True: drain, False: flush
-        self._sender = threading.Thread(target=self._send_loop, name=f"ray-send-{host}", daemon=True)
+        # True: drain, False: flush, None: stop (the connection was dropped)
+        self._wake: _queue.SimpleQueue[bool | None] = _queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         self._waiter: threading.Thread | None = None
-        self._inflight: _queue.SimpleQueue[tuple[Any, int, list[Reply | None]]] = _queue.SimpleQueue()
+        self._inflight: _queue.SimpleQueue[_InFlight | None] = _queue.SimpleQueue()
+        weakref.finalize(self, _stop, self._wake, self._inflight)
         self.calls = 0  #: actor calls made (tests look)
         self._epoch = 0
         self.actor = self._lookup()
@@ -82,7 +91,6 @@ class Connection:
         self.loaded: set[tuple[str, str]] = set()
         self.lost: str | None = None
         self._seq = 0
-        self._sender.start()
 
     def _lookup(self) -> Any:
         try:
@@ -125,6 +133,8 @@ class Connection:
                 if loop is None:  # (outside an event loop: at once)
                     self._scheduled = None
                     self._close_batch()
+                elif self._sender is None:  # (a flush dropped unrun is the sender's to do)
+                    self._start_sender()
         if loop is None:
             self._pump()
         elif not _call_soon(loop, _Flush(self)):
@@ -171,22 +181,27 @@ class Connection:
                     return
                 item = self._outbox[0]
                 if item.puts and not on_sender:
+                    if self._sender is None:
+                        self._start_sender()
                     self._wake.put(True)
                     return  # (``_draining`` stays set: the sender thread has the outbox now)
                 self._outbox.popleft()
             try:
                 self._send_item(item)
-            except BaseException:  # (a reply handler raising: the outbox is not left owned)
+            except Exception as exc:  # (not expected: reply handlers are guarded) its commands
+                part = [item.part[1]] if item.part is not None else []  # fail; the rest goes on
+                _fail(item.replies or part, exc)
+            except BaseException:  # (an interrupt on the loop thread: the outbox is not left owned)
                 with self._lock:
                     self._draining = False
                 raise
 
-    def _send_loop(self) -> None:
-        while True:
-            if self._wake.get():
-                self._drain(on_sender=True)
-            else:
-                self.flush()
+    def _start_sender(self) -> None:
+        """Start the sender thread (holding the connection weakly). Caller holds ``_lock``."""
+        self._sender = threading.Thread(
+            target=_send_loop, args=(self._wake, weakref.ref(self)), name=f"ray-send-{self.host}", daemon=True
+        )
+        self._sender.start()
 
     def _send_item(self, item: _Item) -> None:
         """Make and send one item (the drainer's thread only: it alone numbers calls)."""
@@ -228,27 +243,11 @@ class Connection:
             return
         self.calls += 1
         if self._waiter is None:
-            self._waiter = threading.Thread(target=self._wait_loop, name=f"ray-{self.host}", daemon=True)
+            waits = (self._inflight, weakref.ref(self), self.host)
+            name = f"ray-{self.host}"
+            self._waiter = threading.Thread(target=_wait_loop, args=waits, name=name, daemon=True)
             self._waiter.start()
         self._inflight.put((ref, self._epoch, replies))
-
-    def _wait_loop(self) -> None:
-        while True:
-            ref, epoch, replies = self._inflight.get()
-            try:
-                results = wire.STORE.get(ref)
-            except Exception as exc:
-                lost = f"host {self.host}: device lost ({type(exc).__name__})"
-                if epoch == self._epoch:  # (a late reply of a host reconnected from marks nothing)
-                    self.lost = lost
-                _fail(replies, HostLost(lost))
-                continue
-            for reply, result in zip(replies, results, strict=True):
-                if reply is not None:
-                    try:
-                        reply(result, None)
-                    except Exception as exc:  # (fetching a copyout's bytes, say): this command
-                        _reply_failed(reply, exc)  # fails; the waiter goes on with the others
 
     async def request(self, cmd: Command, device: str) -> Any:
         """Send ``cmd`` in the stream (after everything queued before it) and return its reply's
@@ -270,6 +269,69 @@ class Connection:
     def call(self, method: str, *args: Any) -> Any:
         """A ref of one direct actor call (not part of the command stream: unordered)."""
         return getattr(self.actor, method).remote(*args)
+
+
+#: A call in flight: its ref, the connection's epoch when sent, the replies of its commands.
+_InFlight = tuple[Any, int, list[Reply | None]]
+
+
+def _send_loop(wake: _queue.SimpleQueue[bool | None], ref: weakref.ref[Connection]) -> None:
+    """The sender thread of a connection: drains or flushes when woken; ends at the sentinel.
+    Holds the connection only while it works (a dropped connection is collected)."""
+    while True:
+        drain = wake.get()
+        conn = ref()
+        if drain is None or conn is None:
+            return
+        try:
+            if drain:
+                conn._drain(on_sender=True)
+            else:
+                conn.flush()
+        except Exception:  # (not expected; the thread must not die: the next hand-off drains)
+            with conn._lock:
+                conn._draining = False
+        del conn
+
+
+def _wait_loop(
+    inflight: _queue.SimpleQueue[_InFlight | None], ref: weakref.ref[Connection], host: str
+) -> None:
+    """The waiter thread of a connection: hands each call's reply to its commands, in order;
+    ends at the sentinel. A reply handler that raises fails its own command only."""
+    while True:
+        item = inflight.get()
+        if item is None:
+            return
+        call, epoch, replies = item
+        del item
+        try:
+            results = wire.STORE.get(call)
+        except Exception as exc:
+            lost = f"host {host}: device lost ({type(exc).__name__})"
+            conn = ref()
+            if conn is not None and epoch == conn._epoch:  # (a late reply of a host reconnected
+                conn.lost = lost  # from marks nothing)
+            del conn
+            _fail(replies, HostLost(lost))
+        else:
+            try:
+                for reply, result in zip(replies, results, strict=True):
+                    if reply is not None:
+                        try:
+                            reply(result, None)
+                        except Exception as exc:  # (fetching a copyout's bytes, say): this command
+                            _reply_failed(reply, exc)  # fails; the waiter goes on with the others
+            except Exception as exc:  # (a reply not one entry per command): the rest fail
+                _fail(replies, exc)
+            del results
+        del call, replies
+
+
+def _stop(wake: _queue.SimpleQueue[bool | None], inflight: _queue.SimpleQueue[_InFlight | None]) -> None:
+    """A dropped connection's finalizer: its threads end (after what they were handed)."""
+    wake.put(None)
+    inflight.put(None)
 
 
 class _Item:
@@ -352,16 +414,32 @@ def _reply_failed(reply: Reply, exc: BaseException) -> None:
 
 
 def _fail(replies: Sequence[Reply | None], error: BaseException) -> None:
+    """Fail each command of ``replies`` with ``error`` (a handler that raises fails only its own)."""
     for reply in replies:
         if reply is not None:
-            reply(None, error)
+            try:
+                reply(None, error)
+            except Exception as exc:
+                _reply_failed(reply, exc)
 
 
-_CONNECTIONS: dict[str, Connection] = {}
+#: The connection of each host, while a device (or anything) holds it.
+_CONNECTIONS: weakref.WeakValueDictionary[str, Connection] = weakref.WeakValueDictionary()
 _CONNECTIONS_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's sender and waiter threads: it connects anew."""
+    global _CONNECTIONS_LOCK
+    _CONNECTIONS_LOCK = threading.Lock()  # (a parent thread may have held it)
+    _CONNECTIONS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def connection(host: str) -> Connection:
+    """The connection of this process to host ``host`` (made at first use: looks the host up)."""
     with _CONNECTIONS_LOCK:
         conn = _CONNECTIONS.get(host)
         if conn is None:
