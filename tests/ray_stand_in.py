@@ -142,9 +142,11 @@ class StandIn:
         return fut
 
     def close(self) -> None:
-        """Stop the hosts' loop."""
+        """Stop the hosts' loop and close it."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
     # ---- the Store protocol -------------------------------------------------------------------
     def actor(self, host: str) -> Handle:

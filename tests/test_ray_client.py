@@ -592,3 +592,41 @@ def test_a_forked_child_does_not_reuse_the_parents_connections() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0", "True"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["copyin", "copyout"])
+async def test_a_large_copy_has_at_most_two_pieces_in_the_store(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, into: bool
+) -> None:
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
+    name = f"window-{loop_name(anyio_backend)}-{into}"
+    stand_in.start(name)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    nbytes = 6 * 96 * 1024  # (six pieces)
+    x = np.random.default_rng(9).integers(0, 256, nbytes, dtype=np.uint8)
+    buf = await filled_buffer(dev.name, x if not into else np.zeros(nbytes, np.uint8))
+    full = threading.Event()
+    real = client._Window.acquire
+
+    def acquire(self: Any, blocking: bool = True, timeout: float | None = None) -> bool:
+        if real(self, False):
+            return True
+        full.set()  # (the next piece waits for room)
+        return real(self, blocking, timeout)
+
+    monkeypatch.setattr(client._Window, "acquire", acquire)
+    puts, calls = stand_in.puts, stand_in.calls.get("run", 0)
+    stand_in.pause(name)  # (no piece replies)
+    out = np.empty(nbytes, np.uint8)
+    sig = buf._enqueue_copy(memoryview(x) if into else memoryview(out), into=into)
+    with anyio.fail_after(30):
+        await anyio.to_thread.run_sync(full.wait)
+        assert stand_in.calls["run"] - calls == 2  # (a copyout's pieces: put when the host runs them)
+        if into:
+            assert stand_in.puts - puts == 2
+        stand_in.resume(name)
+        await sig
+        assert (await buf.numpy()).tobytes() == x.tobytes()
+        if not into:
+            assert out.tobytes() == x.tobytes()
+    await dev.aclose()

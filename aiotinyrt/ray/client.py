@@ -72,12 +72,42 @@ def _pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(k, min(step, nbytes - k)) for k in range(0, nbytes, step)]
 
 
-def _put_copyin(cid: int, ref: tuple[int, int, int], data: np.ndarray[Any, Any], waits: list[Any]) -> Command:
-    """A copyin whose bytes this call puts into the object store (the host reads them there)."""
+class _Window(threading.Semaphore):
+    """The pieces of one copy that may be in the object store at once
+    (:data:`~aiotinyrt.ray.wire.PIECES_IN_FLIGHT`): the sender thread makes a piece (puts its
+    bytes, or sends it for the host to put) only once a piece before it replied; it waits
+    here, never an event loop."""
+
+    def __init__(self) -> None:
+        super().__init__(wire.PIECES_IN_FLIGHT)
+
+    def replied(self, reply: Reply) -> Reply:
+        """``reply``, then room for the next piece (once, however often it is called)."""
+        room = [True]
+
+        def piece_replied(result: Any, error: BaseException | None) -> None:
+            try:
+                reply(result, error)
+            finally:
+                if room:
+                    room.clear()
+                    self.release()
+
+        return piece_replied
+
+
+def _put_copyin(
+    window: _Window, cid: int, ref: tuple[int, int, int], data: np.ndarray[Any, Any], waits: list[Any]
+) -> Command:
+    """A copyin whose bytes this call puts into the object store (the host reads them there),
+    once there is room for them (``window``)."""
+    window.acquire()
     return (wire.COPYIN, cid, ref, [wire.STORE.put(data)], waits)
 
 
-def _as_is(cmd: Command) -> Command:
+def _in_window(window: _Window, cmd: Command) -> Command:
+    """``cmd``, once there is room for the bytes its reply brings into the object store."""
+    window.acquire()
     return cmd
 
 
@@ -202,19 +232,21 @@ class _QueueDriver:
                 conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
                 return cid
             # put into the object store piece by piece by the sender thread: the host copies
-            # one piece in while the next is put
+            # one piece in while the next is put (at most ``PIECES_IN_FLIGHT`` in the store)
             pieces = _pieces(data.nbytes)
             whole = _Pieces(len(pieces), done)
+            window = _Window()
             parts: list[Part] = [
                 (
                     functools.partial(
                         _put_copyin,
+                        window,
                         cid,
                         (dest.id, size, dest.offset + k),
                         data[k : k + size],
                         list(waits) if k == 0 else [],
                     ),
-                    _reply(dev, whole.piece_done),
+                    window.replied(_reply(dev, whole.piece_done)),
                 )
                 for k, size in pieces
             ]
@@ -225,17 +257,17 @@ class _QueueDriver:
                 conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
                 return cid
             # piece by piece, a call each: this process copies one piece out while the host
-            # puts the next
+            # puts the next (sent by the sender thread: at most ``PIECES_IN_FLIGHT`` in the store)
             pieces = _pieces(src.nbytes)
             whole = _Pieces(len(pieces), done)
             into = np.frombuffer(out, np.uint8)
+            window = _Window()
             parts = []
             for k, size in pieces:
                 piece = (wire.COPYOUT, cid, (src.id, size, src.offset + k), list(waits) if k == 0 else [])
-                parts.append(
-                    (functools.partial(_as_is, piece), _reply(dev, whole.piece_done, into[k : k + size]))
-                )
-            conn.send_apart(parts, puts=False)
+                reply = _reply(dev, whole.piece_done, into[k : k + size])
+                parts.append((functools.partial(_in_window, window, piece), window.replied(reply)))
+            conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._transfer:
             dest, src, _nbytes, src_dev = args
             if src_dev.conn is conn:

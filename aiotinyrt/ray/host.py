@@ -296,15 +296,22 @@ class Host:
         peer = self._peers.get(src_host)
         if peer is None:
             peer = self._peers[src_host] = store.actor(src_host)
-        # every piece asked for at once: the source host puts the next while this one copies in
+        # ``PIECES_IN_FLIGHT`` pieces asked for ahead: the source host puts the next while this
+        # one copies in, and no more of the copy than that is in the object store at once
         rid, nbytes, offset = src
         pieces = [(k, min(wire.CHUNK_BYTES, nbytes - k)) for k in range(0, nbytes, wire.CHUNK_BYTES)]
+        ahead = wire.PIECES_IN_FLIGHT
         try:
-            reads = [peer.read.remote(src_client, (rid, size, offset + k)) for k, size in pieces]
-            for (k, size), read in zip(pieces, reads, strict=True):
-                payload = await store.wait(read)
+            reads = [peer.read.remote(src_client, (rid, size, offset + k)) for k, size in pieces[:ahead]]
+            for n, (k, size) in enumerate(pieces):
+                payload = await store.wait(reads[n])
+                reads[n] = None  # (the piece's object is freed once copied in)
                 data = await store.wait(payload[0]) if isinstance(payload, list) else payload
                 await _buffer(bufs, (dst[0], size, dst[2] + k)).copyin(data)
+                del payload, data
+                if n + ahead < len(pieces):
+                    later, later_size = pieces[n + ahead]
+                    reads.append(peer.read.remote(src_client, (rid, later_size, offset + later)))
         except Exception:
             self._peers.pop(src_host, None)  # (a host of that name may be started again)
             raise

@@ -53,9 +53,10 @@ class Connection:
     scheduled on it) or :data:`BATCH_LIMIT` is reached; closed batches and the pieces of large
     copies wait in the *outbox* in stream order and are sent from it by one thread at a time
     (the drainer), which numbers them as it sends, so no number is taken that is not sent. A
-    piece that first puts bytes into the object store is sent by the connection's sender
-    thread (the put is a copy of up to ``CHUNK_BYTES``: it stays off the event loop), which
-    then sends whatever queued behind it. Nothing waits for a loop: a flush scheduled on a loop
+    piece that first puts bytes into the object store (or waits until the store has room for
+    its copy's next piece) is sent by the connection's sender thread (the put is a copy of up
+    to ``CHUNK_BYTES``: it stays off the event loop), which then sends whatever queued behind
+    it. Nothing waits for a loop: a flush scheduled on a loop
     that ended without running it is done by the next submission (or when the scheduled
     callback is dropped unrun), and pieces never depend on a loop.
 
@@ -150,8 +151,9 @@ class Connection:
     def send_apart(self, parts: list[Part], puts: bool) -> None:
         """Send what is queued, then each part (a function making its command, and its reply)
         in an actor call of its own, in order; ``puts``: making a command puts bytes into the
-        object store, so the sender thread makes and sends them (one piece's put overlapping
-        the host's copy of the one before), not the submitting thread."""
+        object store or waits for room there, so the sender thread makes and sends them (one
+        piece's put overlapping the host's copy of the one before), not the submitting
+        thread."""
         with self._lock:
             self._close_batch()
             self._outbox.extend(_Item(part=part, puts=puts) for part in parts)

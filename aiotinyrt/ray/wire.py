@@ -40,11 +40,16 @@ ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL, RELEASE, STAT
 INLINE_BYTES = 64 * 1024
 
 #: Copies over this size move in pieces of this size, one actor call (or one read of another
-#: host) each: what bounds the object-store memory one copy holds at once. Pieces could overlap
+#: host) each; with :data:`PIECES_IN_FLIGHT`, what bounds the object-store memory one copy holds
+#: at once. Pieces could overlap
 #: one side's copy with the other's, but Ray's put copies with several threads and an actor call
 #: submitted meanwhile is dispatched only once the put is done, so on a small machine they do not
 #: (BENCHMARKS.md, Ray: 64 MiB copies ran faster in one piece than in four).
 CHUNK_BYTES = 64 << 20
+
+#: Pieces of one copy in the object store at once at most: a piece is put (or asked for) only
+#: once the piece this many before it was copied out of the store.
+PIECES_IN_FLIGHT = 2
 
 
 def encode(batch: list[Command], refs: bool = False) -> tuple[bytes, list[Any], list[Any]]:
