@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import itertools
 import pickle
@@ -142,7 +143,17 @@ class StandIn:
         return fut
 
     def close(self) -> None:
-        """Stop the hosts' loop and close it."""
+        """Cancel the calls still running (a batch behind one never sent, a killed host's),
+        then stop the hosts' loop and close it."""
+
+        async def cancel() -> None:
+            calls = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
