@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -570,6 +571,56 @@ async def test_a_dropped_connection_is_freed_with_its_threads(stand_in: StandIn)
     for thread in threads:
         await anyio.to_thread.run_sync(thread.join, 30)
         assert not thread.is_alive()
+
+
+async def test_a_connection_whose_last_reply_handler_held_it_is_still_freed(stand_in: StandIn) -> None:
+    """A reply handler holds its device, which holds the connection: the waiter thread must keep
+    nothing of the last call it handled, or a dropped connection is never freed and its threads
+    run on (a device closed after its host was lost sends nothing after its last reply)."""
+    stand_in.start("held")
+    conn = stream.connection("held")
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    conn.send_apart([(lambda: (wire.STATS, "CPU"), lambda r, e, held=conn: answer.set_result(e))], puts=True)
+    assert await anyio.to_thread.run_sync(answer.result, 30) is None
+    threads = [t for t in (conn._sender, conn._waiter) if t is not None]
+    gone = weakref.ref(conn)
+    stream._CONNECTIONS.pop("held", None)
+    del conn
+
+    def freed() -> bool:  # (the waiter may still be returning from the handler: bounded wait)
+        deadline = time.monotonic() + 10
+        while gone() is not None and time.monotonic() < deadline:
+            gc.collect()
+            threading.Event().wait(0.01)
+        return gone() is None
+
+    assert await anyio.to_thread.run_sync(freed)
+    for thread in threads:
+        await anyio.to_thread.run_sync(thread.join, 30)
+        assert not thread.is_alive()
+
+
+async def test_two_devices_resetting_at_once_after_an_unnoticed_death_reconnect_once(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    """Both resets find the host lost; one reconnects, the other neither raises nor reconnects
+    again (a second swap would send what was submitted between them to an orphaned client)."""
+    name = f"twice-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    a, b = Device[f"RAY:{name}/CPU:6"], Device[f"RAY:{name}/CPU:7"]
+    await filled_buffer(a.name, np.ones(64, np.uint8))
+    await filled_buffer(b.name, np.ones(64, np.uint8))
+    stand_in.kill(name)
+    stand_in.start(name)
+    before = a.conn.reconnects  # type: ignore[attr-defined]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(a.reset)
+        tg.start_soon(b.reset)
+    assert a.conn.reconnects == before + 1  # type: ignore[attr-defined]
+    for dev in (a, b):
+        x = await filled_buffer(dev.name, np.full(64, 3, np.uint8))
+        assert ((await x.numpy()) == 3).all()
+        await dev.aclose()
 
 
 def test_a_forked_child_does_not_reuse_the_parents_connections() -> None:

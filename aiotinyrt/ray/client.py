@@ -370,14 +370,16 @@ class RAYDevice(Compiled):
         Cancellation: cancelled while draining or reconnecting, the error stays set."""
         await self._settle()
         conn = self.conn
+        reconnects = conn.reconnects  # (another device's reset may reconnect meanwhile)
         if conn.lost is None:
             try:
                 await conn.request((wire.RESET, self.remote_name), self.name)
             except DeviceError as exc:  # (the host died unnoticed: the reset is what finds out)
-                if not isinstance(exc.cause, HostLost) or conn.lost is None:
+                found = conn.lost is not None or conn.reconnects != reconnects
+                if not isinstance(exc.cause, HostLost) or not found:
                     raise
-        if conn.lost is not None:
-            await anyio.to_thread.run_sync(conn.reconnect)
+        if conn.lost is not None or conn.reconnects != reconnects:
+            await anyio.to_thread.run_sync(conn.reconnect, reconnects)
         await super().reset()
 
     async def aclose(self) -> None:

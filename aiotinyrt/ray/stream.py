@@ -87,6 +87,7 @@ class Connection:
         weakref.finalize(self, _stop, self._wake, self._inflight)
         self.calls = 0  #: actor calls made (tests look)
         self._epoch = 0
+        self.reconnects = 0  #: reconnections queued (a reset that finds one newer does none)
         self.actor = self._lookup()
         self.client = uuid.uuid4().hex
         self.loaded: set[tuple[str, str]] = set()
@@ -99,11 +100,16 @@ class Connection:
         except ValueError as exc:
             raise DeviceError(f"no device host {self.host!r} is running", device=f"RAY:{self.host}") from exc
 
-    def reconnect(self) -> None:
+    def reconnect(self, after: int | None = None) -> None:
         """Connect to the host of this name anew (blocks for the lookup): a new client id,
-        nothing loaded there; applied in stream order (see the class docstring)."""
+        nothing loaded there; applied in stream order (see the class docstring). With ``after``
+        (a count of :attr:`reconnects`), nothing is done if another reconnection was queued
+        since: two devices of one host resetting at once reconnect once."""
         actor, client = self._lookup(), uuid.uuid4().hex
         with self._lock:
+            if after is not None and self.reconnects != after:
+                return
+            self.reconnects += 1
             self._close_batch()
             self.loaded = set()  # (what is submitted from now on goes to the new host)
             self._outbox.append(_Item(swap=(actor, client)))
@@ -300,34 +306,40 @@ def _wait_loop(
     inflight: _queue.SimpleQueue[_InFlight | None], ref: weakref.ref[Connection], host: str
 ) -> None:
     """The waiter thread of a connection: hands each call's reply to its commands, in order;
-    ends at the sentinel. A reply handler that raises fails its own command only."""
+    ends at the sentinel. A reply handler that raises fails its own command only. Each call is
+    handled in a function of its own, so that between calls this frame holds nothing of the
+    last one (its handlers hold devices, which hold the connection: it could never be dropped)."""
     while True:
         item = inflight.get()
         if item is None:
             return
-        call, epoch, replies = item
+        _hand_replies(*item, ref, host)
         del item
-        try:
-            results = wire.STORE.get(call)
-        except Exception as exc:
-            lost = f"host {host}: device lost ({type(exc).__name__})"
-            conn = ref()
-            if conn is not None and epoch == conn._epoch:  # (a late reply of a host reconnected
-                conn.lost = lost  # from marks nothing)
-            del conn
-            _fail(replies, HostLost(lost))
-        else:
-            try:
-                for reply, result in zip(replies, results, strict=True):
-                    if reply is not None:
-                        try:
-                            reply(result, None)
-                        except Exception as exc:  # (fetching a copyout's bytes, say): this command
-                            _reply_failed(reply, exc)  # fails; the waiter goes on with the others
-            except Exception as exc:  # (a reply not one entry per command): the rest fail
-                _fail(replies, exc)
-            del results
-        del call, replies
+
+
+def _hand_replies(
+    call: Any, epoch: int, replies: list[Reply | None], ref: weakref.ref[Connection], host: str
+) -> None:
+    """Wait for one call's reply and hand each command its result (or the host's loss)."""
+    try:
+        results = wire.STORE.get(call)
+    except Exception as exc:
+        lost = f"host {host}: device lost ({type(exc).__name__})"
+        conn = ref()
+        if conn is not None and epoch == conn._epoch:  # (a late reply of a host reconnected
+            conn.lost = lost  # from marks nothing)
+        del conn
+        _fail(replies, HostLost(lost))
+        return
+    try:
+        for reply, result in zip(replies, results, strict=True):
+            if reply is not None:
+                try:
+                    reply(result, None)
+                except Exception as exc:  # (fetching a copyout's bytes, say): this command
+                    _reply_failed(reply, exc)  # fails; the waiter goes on with the others
+    except Exception as exc:  # (a reply not one entry per command): the rest fail
+        _fail(replies, exc)
 
 
 def _stop(wake: _queue.SimpleQueue[bool | None], inflight: _queue.SimpleQueue[_InFlight | None]) -> None:
