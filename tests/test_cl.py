@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from aiotinyrt.backends import cl_build, cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.driverqueue import Done
+from aiotinyrt.program import Program
 from tests.helpers import CASES, Case, run_cpu
 
 pytestmark = pytest.mark.anyio
@@ -268,6 +270,20 @@ async def test_thousands_of_commands_in_flight_complete_in_order() -> None:
     await out.free()
 
 
+async def _on_the_ring() -> tuple[CLDevice, Any, Program, Buffer]:
+    """CL, its compute queue (skipped without the native completion ring), ``inc`` and a zeroed
+    int."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    queue = dev._compute_queue
+    if queue.driver._ring is None:  # type: ignore[attr-defined]
+        pytest.skip("NATIVE_QUEUE=0: no completion ring (the Python waiter takes every event)")
+    prog = await dev.program("inc", INC)
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    return dev, queue, prog, out
+
+
 class _RingFull:
     """The native library with clq_push refusing every event (as when out of memory)."""
 
@@ -287,13 +303,7 @@ async def test_a_command_the_completion_ring_refuses_fails_after_the_device_is_d
     """A launch is enqueued before its event is handed over: if the ring refuses the event, the
     command fails only once the device finished with its memory, and a refused Python command
     does not hold the queue's later commands behind its barrier."""
-    dev = Device["CL"]
-    queue = dev._compute_queue
-    if queue.driver._ring is None:  # type: ignore[attr-defined]
-        pytest.skip("NATIVE_QUEUE=0: no completion ring (the Python waiter takes every event)")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    dev, queue, prog, out = await _on_the_ring()
     driver, ran = queue.driver, []
     monkeypatch.setattr(driver, "_native", _RingFull(driver._native))  # type: ignore[attr-defined]
     host = queue.submit(lambda: ran.append(True), ())
@@ -326,13 +336,7 @@ async def test_a_hand_over_interrupted_before_the_ring_took_the_event_shifts_no_
 ) -> None:
     """The waiter's deque has the command and the ring has not: that entry is dropped, and the
     commands after it get their own events' completions."""
-    dev = Device["CL"]
-    queue = dev._compute_queue
-    if queue.driver._ring is None:  # type: ignore[attr-defined]
-        pytest.skip("NATIVE_QUEUE=0: no completion ring (the Python waiter takes every event)")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    dev, queue, prog, out = await _on_the_ring()
     driver = queue.driver
     monkeypatch.setattr(driver, "_native", _InterruptedPush(driver._native))  # type: ignore[attr-defined]
     interrupted = prog(out)
