@@ -18,6 +18,7 @@ from aiotinyrt import Buffer, CompileError, Device, DeviceError, dtypes, get_ava
 from aiotinyrt.backends import cl_build, cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
+from aiotinyrt.device import Compiled
 from aiotinyrt.driverqueue import Done
 from aiotinyrt.program import Program
 from tests.helpers import CASES, Case, run_cpu
@@ -137,9 +138,7 @@ async def test_builds_run_in_a_compile_server_and_one_that_exited_is_replaced() 
 
 async def test_an_opencl_error_code_is_a_sticky_device_error_naming_the_code_and_the_call() -> None:
     dev = Device["CL"]
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    prog, out = await _inc_and_zero(dev)
     bad = r"clEnqueueNDRangeKernel\(inc\) failed: CL_INVALID_WORK_GROUP_SIZE"
     with pytest.raises(DeviceError, match=bad):
         await prog(out, global_size=(3, 1, 1), local_size=(2, 1, 1))  # 3 is no multiple of 2
@@ -194,9 +193,7 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
 ) -> None:
     dev = Device["CL"]
     cl, err = ocl.lib(), ffi.new("cl_int*")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    prog, out = await _inc_and_zero(dev)
     gate, failing = cl.clCreateUserEvent(dev.context, err), cl.clCreateUserEvent(dev.context, err)
     sizes: list[int] = []
     real = cl_queue.report
@@ -228,9 +225,7 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
 async def test_a_host_command_runs_after_the_commands_before_it_in_its_batch_completed() -> None:
     dev = Device["CL"]
     cl, err = ocl.lib(), ffi.new("cl_int*")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    prog, out = await _inc_and_zero(dev)
     queue = dev._compute_queue
     gate = cl.clCreateUserEvent(dev.context, err)
     queue.submit(_user_event_command(gate), ())  # holds the waiter: what follows is one batch
@@ -255,9 +250,7 @@ async def test_thousands_of_commands_in_flight_complete_in_order() -> None:
     dev = Device["CL"]
     queue = dev._compute_queue
     cl, err = ocl.lib(), ffi.new("cl_int*")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    prog, out = await _inc_and_zero(dev)
     gate = cl.clCreateUserEvent(dev.context, err)
     held = queue.submit(_user_event_command(gate), ())
     sigs = [prog(out) for _ in range(3000)]
@@ -270,6 +263,14 @@ async def test_thousands_of_commands_in_flight_complete_in_order() -> None:
     await out.free()
 
 
+async def _inc_and_zero(dev: Compiled) -> tuple[Program, Buffer]:
+    """``inc`` on ``dev`` and an int there holding 0."""
+    prog = await dev.program("inc", INC)
+    out = await Buffer(dev.name, 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    return prog, out
+
+
 async def _on_the_ring() -> tuple[CLDevice, Any, Program, Buffer]:
     """CL, its compute queue (skipped without the native completion ring), ``inc`` and a zeroed
     int."""
@@ -278,9 +279,7 @@ async def _on_the_ring() -> tuple[CLDevice, Any, Program, Buffer]:
     queue = dev._compute_queue
     if queue.driver._ring is None:  # type: ignore[attr-defined]
         pytest.skip("NATIVE_QUEUE=0: no completion ring (the Python waiter takes every event)")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    prog, out = await _inc_and_zero(dev)
     return dev, queue, prog, out
 
 
@@ -356,7 +355,7 @@ def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_h
     the event is still queued, sleeping between calls, and reports it once it completed."""
     lib, cl, err = native.load(), ocl.lib(), ffi.new("cl_int*")
     if lib is None:
-        pytest.skip("NATIVE_QUEUE=0: no completion ring")
+        pytest.skip("NATIVE_QUEUE=0: no completion ring (the native library is off)")
     failing = native.ffi.callback("int(uint32_t, void*)", lambda n, events: -5)
     entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, n))) for n in cl_queue._ENTRY_POINTS]
     entry[0] = int(native.ffi.cast("uintptr_t", failing))
@@ -412,9 +411,7 @@ def test_a_build_on_a_server_that_died_while_idle_is_run_on_a_fresh_one() -> Non
 async def test_a_command_whose_wait_list_holds_a_failed_event_fails_as_not_run_because_of_it() -> None:
     dev = Device["CL"]
     cl, err = ocl.lib(), ffi.new("cl_int*")
-    prog = await dev.program("inc", INC)
-    out = await Buffer("CL", 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
+    prog, out = await _inc_and_zero(dev)
     failing = cl.clCreateUserEvent(dev.context, err)
     failed = dev._compute_queue.submit(_user_event_command(failing), ())
     # the launch on the other queue of the context: the failed event is in its wait list

@@ -54,6 +54,13 @@ def stand_in() -> Iterator[StandIn]:
     fake.close()
 
 
+def _own_host(stand_in: StandIn, anyio_backend: Any, tag: str) -> str:
+    """Start a host of this test's own (``tag`` and the event loop name it) and return its name."""
+    name = f"{tag}-{loop_name(anyio_backend)}"
+    stand_in.start(name)
+    return name
+
+
 async def test_a_loop_turn_of_launches_is_one_call_and_runs_in_order(stand_in: StandIn) -> None:
     dev = Device["RAY:s1/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
@@ -140,8 +147,7 @@ async def test_a_failing_command_names_the_host_and_is_sticky_until_reset(stand_
 async def test_a_killed_host_fails_pending_work_until_reset_reconnects(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = f"k-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "k")
     dev = Device[f"RAY:{name}/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
     a = await filled_buffer(dev.name, np.zeros(N, np.int32))
@@ -311,8 +317,7 @@ async def test_copyin_pieces_left_when_their_loop_ends_still_reach_the_host(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
 ) -> None:
     monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
-    name = f"gap-{loop_name(anyio_backend)}"  # (a host of its own: a gap would stall its stream)
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "gap")  # (a host of its own: a gap would stall its stream)
     dev = Device[f"RAY:{name}/CPU:6"]
     nbytes = 4 * 96 * 1024 + 100  # (five pieces)
     x = np.random.default_rng(8).integers(0, 256, nbytes, dtype=np.uint8)
@@ -327,8 +332,7 @@ async def test_copyin_pieces_left_when_their_loop_ends_still_reach_the_host(
 
 
 async def test_a_flush_left_when_its_loop_ends_is_still_sent(stand_in: StandIn, anyio_backend: Any) -> None:
-    name = f"flush-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "flush")
     dev = Device[f"RAY:{name}/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
     a = await filled_buffer(dev.name, np.zeros(N, np.int32))
@@ -375,8 +379,7 @@ async def test_a_program_failing_to_load_on_the_host_fails_its_launches_clearly(
 async def test_statistics_come_after_the_commands_queued_before(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = f"stats-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "stats")
     dev = Device[f"RAY:{name}/CPU:6"]
     assert isinstance(dev, client.RAYDevice)
     before = (await dev.statistics())["bytes_in_use"]
@@ -400,8 +403,7 @@ async def test_statistics_come_after_the_commands_queued_before(
 async def test_close_releases_buffers_whose_allocation_is_still_queued(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = f"close-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "close")
     dev = Device[f"RAY:{name}/CPU:6"]
     assert isinstance(dev, client.RAYDevice)
     before = (await dev.statistics())["bytes_in_use"]
@@ -422,8 +424,7 @@ async def test_close_releases_buffers_whose_allocation_is_still_queued(
 async def test_a_late_failure_of_the_old_host_does_not_fail_the_reconnected_stream(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
 ) -> None:
-    name = f"late-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "late")
     first, second = Device[f"RAY:{name}/CPU:6"], Device[f"RAY:{name}/CPU:7"]  # (one connection)
     assert isinstance(first, client.RAYDevice) and isinstance(second, client.RAYDevice)
     prog, prog2 = await first.program("add1", ADD_SRC), await second.program("add1", ADD_SRC)
@@ -503,8 +504,7 @@ async def test_an_allocation_error_not_built_from_its_message_fails_only_that_bu
 async def test_closing_a_device_releases_none_of_a_reopened_devices_buffers(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = f"reopen-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "reopen")
     first = Device[f"RAY:{name}/CPU:6"]
     assert isinstance(first, client.RAYDevice)
     await filled_buffer(first.name, np.ones(64, np.uint8))
@@ -543,8 +543,7 @@ async def test_a_reply_raising_on_the_sender_thread_leaves_the_stream_going(stan
 async def test_the_first_reset_after_an_unnoticed_host_death_reconnects(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = f"quiet-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "quiet")
     dev = Device[f"RAY:{name}/CPU:6"]
     await filled_buffer(dev.name, np.ones(64, np.uint8))
     stand_in.kill(name)  # (nothing in flight: nothing notices)
@@ -605,8 +604,7 @@ async def test_two_devices_resetting_at_once_after_an_unnoticed_death_reconnect_
 ) -> None:
     """Both resets find the host lost; one reconnects, the other neither raises nor reconnects
     again (a second swap would send what was submitted between them to an orphaned client)."""
-    name = f"twice-{loop_name(anyio_backend)}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, "twice")
     a, b = Device[f"RAY:{name}/CPU:6"], Device[f"RAY:{name}/CPU:7"]
     await filled_buffer(a.name, np.ones(64, np.uint8))
     await filled_buffer(b.name, np.ones(64, np.uint8))
@@ -650,8 +648,7 @@ async def test_a_large_copy_has_at_most_two_pieces_in_the_store(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, into: bool
 ) -> None:
     monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
-    name = f"window-{loop_name(anyio_backend)}-{into}"
-    stand_in.start(name)
+    name = _own_host(stand_in, anyio_backend, f"window-{into}")
     dev = Device[f"RAY:{name}/CPU:6"]
     nbytes = 6 * 96 * 1024  # (six pieces)
     x = np.random.default_rng(9).integers(0, 256, nbytes, dtype=np.uint8)
