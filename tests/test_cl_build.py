@@ -220,24 +220,28 @@ def test_start_replaces_a_server_that_died_while_it_waited() -> None:
     """start() waits for the pool to hold n idle servers: one dying meanwhile is replaced (it
     waited forever for an idle server that could no longer come)."""
     pool = cl_build.BuildPool(0, size=2)
-    die, made = threading.Event(), []
+    die, made, second_made = threading.Event(), [], threading.Event()
 
     class Dying(FakeServer):
         def build(self, src: str) -> bytes:
             super().build(src)
             raise CompileError("the server exited during the build")
 
+    dying = Dying(gate=die)
+
     def new_server() -> FakeServer:
-        made.append(Dying(gate=die) if not made else WarmedServer())
+        made.append(dying if not made else WarmedServer())
+        if len(made) == 2:
+            second_made.set()
         return made[-1]
 
     pool._new_server = new_server  # type: ignore[method-assign]
     out: dict[str, bytes | BaseException] = {}
     a = _run(pool, "a", out)  # (on a server of its own, which dies when let go)
-    assert made and made[0].entered.wait(60)
+    assert dying.entered.wait(60)
     starting = threading.Thread(target=pool.start, daemon=True)
     starting.start()
-    assert len(made) >= 2 and made[1].warmed.wait(60)  # type: ignore[attr-defined]
+    assert second_made.wait(60) and made[1].warmed.wait(60)  # type: ignore[attr-defined]
     die.set()
     a.join(60)
     starting.join(30)
@@ -275,11 +279,12 @@ def test_a_failed_background_start_does_not_stop_the_pool_from_growing_for_good(
 def test_builds_waiting_when_the_pool_closes_fail_and_start_no_servers() -> None:
     pool = cl_build.BuildPool(0, size=1)
     free, made = threading.Event(), []
-    pool._new_server = lambda: made.append(FakeServer(gate=free)) or made[-1]  # type: ignore[method-assign]
+    first = FakeServer(gate=free)
+    pool._new_server = lambda: made.append(first if not made else FakeServer()) or made[-1]  # type: ignore[method-assign]
     pool._cond = cond = CountedCondition()
     out: dict[str, bytes | BaseException] = {}
     a = _run(pool, "a", out)
-    assert made and made[0].entered.wait(60)
+    assert first.entered.wait(60)
     waiting = [_run(pool, f"w{i}", out) for i in range(3)]
     assert cond.waited[3].wait(60)  # (all three wait for the one server)
     pool.close()
