@@ -110,7 +110,12 @@ class Driver(Protocol):
         Returns the command's event (what later commands' ``waits`` hold). Must call ``done``
         (or hand it to :func:`report`) exactly once, from any thread, when the command completed
         or failed; may raise (the command then fails at once). Must not block on the completion
-        of other work."""
+        of other work.
+
+        A driver may also offer ``counters``: the queue's timeline then keeps its counters
+        there (the fields of ``signal._PyState``), so the driver sees ``wake_at``, the smallest
+        value anyone waits for, change. A driver that holds completions back to report them in
+        larger batches must report at once while ``wake_at`` is set."""
         ...
 
 
@@ -139,7 +144,7 @@ class DriverQueue:
         self.context = driver if context is None else context
         #: every command completed, when env PROFILE is set (see :mod:`aiotinyrt.recorder`)
         self.profile = recorder.QueueTrace(f"{device.name}/{name}") if recorder.start() else None
-        self.timeline = Timeline(device.name, name)
+        self.timeline = Timeline(device.name, name, state=getattr(driver, "counters", None))
         self._thread: threading.Thread | None = None  # (no worker: the driver runs commands)
         self._stopping = False
         self._closed_error: DeviceError | None = None

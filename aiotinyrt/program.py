@@ -84,12 +84,25 @@ class Program:
         self._by_bufs: dict[tuple[Any, ...], Any] = {}
         queue: Queue | None = getattr(device, "_compute_queue", None)
         native_raw = queue is not None and queue.native and kernel is None
-        #: the repeat launch's state: (queue, timeline, _by_bufs, the queue's C address)
-        self._fast: tuple[Queue, Timeline, dict[tuple[Any, ...], Any], int] | None = (
+        #: the repeat launch's state: (queue, timeline, _by_bufs, the queue's C address), or a
+        #: backend's (see _use_c_call)
+        self._fast: tuple[Any, ...] | None = (
             (queue, queue.timeline, self._by_bufs, queue._caddr) if queue is not None and native_raw else None
         )
-        self._c_launch = native.launcher() if native_raw else None
-        if self._c_launch is not None and Program.__dict__["__call__"] is Program._call_py:
+        self._c_launch: Callable[..., Any] | None = None
+        if native_raw:
+            self._use_c_call(self._fast)
+
+    def _use_c_call(self, fast: Any) -> None:
+        """Make ``fast`` the state of this program's repeat launch in C, where the extension
+        module is there: a host-run native queue's ``(queue, timeline, _by_bufs, queue
+        address)`` (pyext.c) or a CL queue's 7-tuple (clfast.c); ``__call__`` becomes the C
+        function that reads it."""
+        self._c_launch = native.launcher()
+        if self._c_launch is None:
+            return
+        self._fast = fast
+        if Program.__dict__["__call__"] is Program._call_py:
             # the repeat launch skips this method's Python frame: see native.install_call
             native.install_call(Program, Program._call_py, capturing, _VALS_KEY)
 

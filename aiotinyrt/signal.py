@@ -154,11 +154,15 @@ class Timeline:
         "name",
     )
 
-    def __init__(self, device: str, name: str, lib: Any = None) -> None:
+    def __init__(self, device: str, name: str, lib: Any = None, state: Any = None) -> None:
         self.device = device
         self.name = name
         self._lib = lib
-        self._c: Any = _PyState() if lib is None else native.ffi.gc(lib.hq_new(), lib.hq_free)
+        #: the counters: a C ``hq_t`` (``lib``), a driver's object with the fields of
+        #: :class:`_PyState` (``state``: one that learns ``wake_at``), or a :class:`_PyState`
+        self._c: Any = _PyState() if state is None else state
+        if lib is not None:
+            self._c = native.ffi.gc(lib.hq_new(), lib.hq_free)
         if self._c == native.ffi.NULL:
             raise MemoryError(f"{device}: cannot allocate the native queue of {name}")
         #: the C struct's address, and the store of ``completed`` that also wakes other queues'

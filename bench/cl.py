@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import statistics
 import tempfile
 import threading
 import time
@@ -36,6 +37,7 @@ import numpy as np
 from _samples import Samples
 
 from aiotinyrt import Buffer, Device, dtypes
+from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_build import BuildPool
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
@@ -139,6 +141,7 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
         await prog(buf)
     s.add("aiotinyrt|round trip (us)", (time.perf_counter() - t) / m * 1e6)
     s.add("aiotinyrt|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
+    await hop_rows(s, prog, buf, m)
     await batch_rows(s, dev, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
@@ -158,6 +161,30 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
             tg.start_soon(sig.wait)
     s.add("aiotinyrt|1,000 concurrent awaits (ms)", (time.perf_counter() - t) * 1e3)
     await buf.free()
+
+
+async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
+    """A round trip in two halves (medians of m): from the launch to the waiter thread's report
+    of its completion, and from the report to the awaiting task running again."""
+    reported = [0.0]
+    report = cl_queue.report
+
+    def stamped(batch: Any) -> None:
+        reported[0] = time.perf_counter()
+        report(batch)
+
+    cl_queue.report = stamped  # type: ignore[assignment]
+    try:
+        to_report, to_task = [], []
+        for _ in range(m):
+            t = time.perf_counter()
+            await prog(buf)
+            to_report.append(reported[0] - t)
+            to_task.append(time.perf_counter() - reported[0])
+    finally:
+        cl_queue.report = report
+    s.add("aiotinyrt|round trip: launch to the waiter's report (us)", statistics.median(to_report) * 1e6)
+    s.add("aiotinyrt|round trip: the report to the task running (us)", statistics.median(to_task) * 1e6)
 
 
 async def batch_rows(s: Samples, dev: Any, prog: Any, buf: Buffer, n: int) -> None:
@@ -256,6 +283,21 @@ def completion_rows(s: Samples, n: int) -> None:
         work.put(launch())
     finished.wait()
     s.add("completion|waiter thread (us)", (time.perf_counter() - t) / n * 1e6)
+    m = max(n // 10, 200)  # round trips: waiting in the calling thread, or handed over by one
+    t = time.perf_counter()
+    for _ in range(m):
+        ev = launch()
+        cl.clWaitForEvents(1, ffi.new("cl_event[1]", [ev]))
+    s.add("completion|round trip, waiting in the calling thread (us)", (time.perf_counter() - t) / m * 1e6)
+    finished.clear()
+    count[0], n = 0, 1  # (done() now sets finished at every completion)
+    t = time.perf_counter()
+    for _ in range(m):
+        work.put(launch())
+        finished.wait()
+        finished.clear()
+        count[0] = 0
+    s.add("completion|round trip, handed over by the waiter thread (us)", (time.perf_counter() - t) / m * 1e6)
     work.put(None)
     thread.join()
     dev.allocator.free_nowait(mem, 4)
@@ -433,18 +475,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--launches", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--only", choices=["compile"], help="only these rows")
+    parser.add_argument(
+        "--only", choices=["compile", "launch"], help="only these rows (launch: all but compile)"
+    )
     args = parser.parse_args()
     os.environ["POCL_KERNEL_CACHE"] = "0"
     s = Samples()
     nbytes = 64 * MiB
     for _ in range(args.reps):
-        if args.only is None:
+        if args.only != "compile":
             pyopencl_rows(s, args.launches, nbytes)
             tinygrad_rows(s, args.launches)
             anyio.run(aiotinyrt_rows, s, args.launches, nbytes)
             completion_rows(s, args.launches // 4)
-        compile_rows(s)
+        if args.only != "launch":
+            compile_rows(s)
     print(
         f"CL device: {Device['CL'].device_name} ({Device['CL'].driver_version}), "  # type: ignore[attr-defined]
         f"{args.launches} launches, {args.reps} repetitions, medians; {os.cpu_count()} cores"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -207,7 +208,7 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
     monkeypatch.setattr(cl_queue, "report", spy)
     first = queue.submit(_user_event_command(gate), ())  # holds the waiter: the rest is one batch
     before, failed, after = prog(out), queue.submit(_user_event_command(failing), ()), prog(out)
-    kernels = ffi.new("cl_event[2]", [queue._events[before.value], queue._events[after.value]])
+    kernels = ffi.new("cl_event[2]", [cl_queue._event(queue._events[s.value]) for s in (before, after)])
     assert cl.clWaitForEvents(2, kernels) == 0  # (they need not wait for the user events)
     cl.clSetUserEventStatus(failing, -5)
     cl.clSetUserEventStatus(gate, ocl.COMPLETE)
@@ -292,7 +293,7 @@ class _RingFull:
     def __getattr__(self, name: str) -> object:
         return getattr(self.lib, name)
 
-    def clq_push(self, ring: object, event: object, tag: int) -> int:
+    def clq_push(self, ring: object, event: object, tag: int, urgent: int) -> int:
         return -1
 
 
@@ -313,6 +314,7 @@ async def test_a_command_the_completion_ring_refuses_fails_after_the_device_is_d
     after = prog(out)
     await after.wait(timeout=30)  # (behind the refused command's barrier, had it stayed shut)
     monkeypatch.setattr(driver, "_native", _RingFull(driver._native))  # type: ignore[attr-defined]
+    prog._by_bufs.clear()  # (the Python hand-over: tests/test_cl_fast.py has the C launch's)
     refused = prog(out)
     monkeypatch.undo()
     assert refused.done()  # failed at once, having waited for the kernel
@@ -326,7 +328,7 @@ async def test_a_command_the_completion_ring_refuses_fails_after_the_device_is_d
 class _InterruptedPush(_RingFull):
     """The native library with clq_push interrupted once before it ran (as by a Ctrl-C)."""
 
-    def clq_push(self, ring: object, event: object, tag: int) -> int:
+    def clq_push(self, ring: object, event: object, tag: int, urgent: int) -> int:
         raise KeyboardInterrupt
 
 
@@ -361,7 +363,7 @@ def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_h
     entry[0] = int(native.ffi.cast("uintptr_t", failing))
     ring = native.ffi.gc(lib.clq_new(*entry), lib.clq_free)
     event = cl.clCreateUserEvent(Device["CL"].context, err)  # type: ignore[attr-defined]
-    assert lib.clq_push(ring, event, 7) == 0
+    assert lib.clq_push(ring, event, 7, 0) == 0
     status, seconds, tags = (
         native.ffi.new("int32_t[4]"),
         native.ffi.new("double[4]"),
@@ -445,3 +447,17 @@ async def test_every_renderer_kernel_runs_on_cl_and_matches_the_cpu(case: Case) 
             assert got.tobytes() == want.tobytes(), f"buffer {i}: {got[:6]} != {want[:6]}"
         else:
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"buffer {i}")
+
+
+async def test_a_command_nobody_awaits_is_seen_done_by_a_caller_polling_it() -> None:
+    """The completion ring holds completions back for larger batches only while nobody waits,
+    and then for a bounded time: polling ``done()`` sees a launch complete."""
+    dev = Device["CL"]
+    prog, out = await _inc_and_zero(dev)
+    sig = prog(out)
+    with anyio.fail_after(30):
+        while not sig.done():
+            await anyio.sleep(0.005)  # (a poller's own pace; nothing waits for sig)
+    assert dev._compute_queue.timeline.pending_waiters() == 0
+    assert (await out.numpy())[0] == 1
+    await out.free()

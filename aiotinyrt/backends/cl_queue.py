@@ -34,7 +34,7 @@ from typing import Any
 from aiotinyrt import native
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.opencl import CLError, check, ffi
-from aiotinyrt.driverqueue import Done, report
+from aiotinyrt.driverqueue import Completion, Done, report
 from aiotinyrt.graph import _join, _run_calls
 
 NULL = ffi.NULL
@@ -74,6 +74,58 @@ _ENTRY_POINTS = (
 )
 
 
+def _event(event: Any) -> Any:
+    """A command's event as a ``cl_event``: one of ours, or a launch's made in C (clfast.c's
+    ``ClEvent``, whose ``int()`` is its address)."""
+    return event if isinstance(event, ffi.CData) else ffi.cast("cl_event", int(event))
+
+
+_c_events: list[type] = []  # the extension module's ClEvent type, once it is ready
+
+
+def cdata_address(cdata: Any) -> int:
+    """The address a cffi pointer holds, as an int."""
+    return int(ffi.cast("uintptr_t", cdata))
+
+
+def c_launch_ready() -> bool:
+    """Whether the extension module's repeat launch of CL programs (clfast.c) is there; it is
+    configured once with the loader's entry points. The launches it makes hand their events to
+    the queue's completion ring themselves."""
+    if not _c_events:
+        cl = ocl.lib()
+        names = ("clEnqueueNDRangeKernel", "clReleaseEvent", "clWaitForEvents")
+        event_type = native.cl_launcher(Completion, *(cdata_address(ffi.addressof(cl, n)) for n in names))
+        if event_type is None:
+            return False
+        _c_events.append(event_type)
+    return True
+
+
+class _RingCounters:
+    """A CL queue's timeline counters (see ``Driver.counters`` in :mod:`aiotinyrt.driverqueue`):
+    a change of ``wake_at`` reaches the completion ring, which holds completions back for larger
+    batches only while nobody waits."""
+
+    __slots__ = ("_lib", "_ring", "_wake", "completed", "halted", "submitted")
+
+    def __init__(self, lib: Any, ring: Any) -> None:
+        self._lib, self._ring = lib, ring
+        self.completed = self.submitted = self.halted = 0
+        self._wake = native.NO_WAKE
+
+    @property
+    def wake_at(self) -> int:
+        """The smallest value anyone waits for (``native.NO_WAKE``: none)."""
+        return self._wake
+
+    @wake_at.setter
+    def wake_at(self, value: int) -> None:
+        if value != self._wake:
+            self._wake = value
+            self._lib.clq_set_wake(self._ring, value)
+
+
 class CLQueue:
     """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
 
@@ -88,6 +140,8 @@ class CLQueue:
         self._ring = None if self._native is None else _ring(self._native, cl)
         self._items: deque[tuple[int, Done, Run | None]] = deque()  # (tag, done, run) per event
         self._tag = 0  # the last tag handed to the ring
+        #: the timeline's counters (the ring learns of waiters through them)
+        self.counters = None if self._ring is None else _RingCounters(self._native, self._ring)
         wait = self._wait if self._ring is None else self._wait_ring
         self._waiter = threading.Thread(target=wait, name=f"cl-waiter-{name}", daemon=True)
         self._waiter.start()
@@ -167,7 +221,7 @@ class CLQueue:
             return
         self._tag = tag = self._tag + 1
         self._items.append((tag, done, run))  # (before the ring has the event: the waiter pops it)
-        if self._native.clq_push(self._ring, event, tag) != 0:
+        if self._native.clq_push(self._ring, event, tag, run is not None) != 0:
             # the command is enqueued: it fails, but only once the device is done with its memory
             ocl.lib().clWaitForEvents(1, ffi.new("cl_event[1]", [event]))
             raise MemoryError(f"{self.name}: no memory for the completion ring (or the queue is closed)")
@@ -175,7 +229,7 @@ class CLQueue:
     def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
         """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
         cl, n = ocl.lib(), len(waits)
-        wl = ffi.new("cl_event[]", list(waits)) if n else NULL
+        wl = ffi.new("cl_event[]", [_event(w) for w in waits]) if n else NULL
         if getattr(fn, "cl_command", False):
             event = fn(self.queue, n, wl, *args)
         elif fn is _run_calls and all(getattr(f, "cl_command", False) for f, _ in args[0]):

@@ -75,7 +75,7 @@ _DIR = Path(__file__).parent
 #: The files of the library: the ring and run loop, a CL queue's completion ring (clq.c, used by
 #: aiotinyrt/backends/cl_queue.py), and the extension module's two files.
 _RING_SOURCES = ("hostq.c", "clq.c")
-_PY_SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c")
+_PY_SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c", "clfast.c")
 _HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h")
 #: The C flags of every build (setup.py's and the first-use one).
 CFLAGS = ("-O2", "-pthread", "-Wall", "-Wextra", "-Werror")
@@ -337,6 +337,19 @@ def replayer() -> Callable[[tuple[Any, ...]], Any] | None:
     None without the extension module."""
     module = _module()
     return None if module is None else module.replay
+
+
+def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) -> type | None:
+    """Ready the CL repeat launch of the extension module (clfast.c) with the DriverQueue's
+    ``Completion`` class and the OpenCL entry points ``clEnqueueNDRangeKernel``,
+    ``clReleaseEvent`` and ``clWaitForEvents`` (addresses); returns the type of the events it
+    hands the queue, or None without the extension module."""
+    module = _module()
+    if module is None:
+        return None
+    with _lock:
+        event_type: type = module.cl_configure(completion_type, enqueue, release, wait)
+    return event_type
 
 
 def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any, vals_key: object) -> bool:

@@ -10,12 +10,15 @@
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "clq.h"
+
+#define CLQ_NO_WAKE INT64_MAX /* clq_set_wake: nobody waits (aiotinyrt.native.NO_WAKE) */
 
 typedef int32_t cl_int;
 typedef uint32_t cl_uint;
@@ -33,6 +36,7 @@ typedef cl_int (*ref_fn)(cl_event);
 struct slot {
     cl_event event;
     int64_t tag; /* the caller's name for the command (its deque entry) */
+    int urgent;  /* the caller acts on its completion (a Python command): report it at once */
 };
 
 struct clq {
@@ -41,6 +45,12 @@ struct clq {
     struct slot *ring; /* a circular buffer of cap slots: count events from head */
     size_t cap, head, count;
     int closed;
+    /* clq_wait() holds taken results in a timed wait (clq_set_wake wakes it), and the smallest
+       value a caller waits for (CLQ_NO_WAKE: none). Stored and then the other loaded, both
+       sequentially consistent: either the waiter sees the wake before it sleeps, or the setter
+       sees it polling and signals under the lock (which the waiter holds until it sleeps). */
+    _Atomic int polling;
+    _Atomic int64_t wake;
     pid_t pid; /* the process that made it */
     wait_fn wait;
     info_fn event_info, profiling_info;
@@ -58,7 +68,13 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
         free(q);
         return NULL;
     }
-    pthread_cond_init(&q->more, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* (clq_wait's timed waits) */
+    pthread_cond_init(&q->more, &attr);
+    pthread_condattr_destroy(&attr);
+    atomic_init(&q->wake, CLQ_NO_WAKE);
+    atomic_init(&q->polling, 0);
     q->wait = (wait_fn)wait;
     q->event_info = (info_fn)event_info;
     q->profiling_info = (info_fn)profiling_info;
@@ -81,9 +97,9 @@ void clq_free(clq_t *q) {
     free(q);
 }
 
-/* Keep a reference to `event` until clq_wait() reported it, under `tag`. 0, or -1 (out of
-   memory, or the queue is closed: nothing was kept). */
-int clq_push(clq_t *q, void *event, int64_t tag) {
+/* Keep a reference to `event` until clq_wait() reported it, under `tag` (urgent: reported as
+   soon as it completed). 0, or -1 (out of memory, or the queue is closed: nothing was kept). */
+int clq_push(clq_t *q, void *event, int64_t tag, int urgent) {
     int out = 0;
     pthread_mutex_lock(&q->lock);
     if (q->closed) {
@@ -102,62 +118,128 @@ int clq_push(clq_t *q, void *event, int64_t tag) {
     }
     if (out == 0) {
         q->retain(event);
-        q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag};
+        q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag, urgent};
         if (q->count++ == 0) pthread_cond_signal(&q->more);
     }
     pthread_mutex_unlock(&q->lock);
     return out;
 }
 
-/* Wait (blocking) for the oldest event handed over, then report it and every later completed
-   one, at most `max`: tags[i] is its tag, status[i] its execution status (0: complete;
-   negative: its error) or the error of reading it, seconds[i] its profiling time (0 without
-   one). Returns the number reported, or -1 once the queue is closed and every event was
-   reported. 0 only after a wait that failed while its event had not completed: that event is
-   not reported until it has (its command may still use its memory); the call sleeps 1 ms
-   first, so a caller calling again does not spin. */
+/* How long results taken by clq_wait() may wait for more to join them while nobody waits for
+   any command of the queue (a caller polling Signal.done() sees completions this late), and
+   how often the oldest pending event is looked at meanwhile. */
+#define CLQ_HOLD_NS 1000000L
+#define CLQ_POLL_NS 250000L
+
+static void clq_after(struct timespec *t, long ns) {
+    clock_gettime(CLOCK_MONOTONIC, t);
+    t->tv_nsec += ns;
+    if (t->tv_nsec >= 1000000000L) {
+        t->tv_sec += 1;
+        t->tv_nsec -= 1000000000L;
+    }
+}
+
+static int clq_before(const struct timespec *a, const struct timespec *b) {
+    return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
+}
+
+/* Read `ev`'s outcome into *status and *seconds: 1 if it completed (or reading it failed),
+   0 if it has not completed yet. */
+static int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
+    cl_int st = 0;
+    cl_int code = q->event_info(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
+    if (code == 0 && st > 0) return 0;
+    *status = code ? code : st;
+    *seconds = 0.0;
+    cl_ulong t[2];
+    if (*status == 0 && q->profiling_info(ev, CL_PROFILING_COMMAND_START, sizeof t[0], &t[0], NULL) == 0 &&
+        q->profiling_info(ev, CL_PROFILING_COMMAND_END, sizeof t[1], &t[1], NULL) == 0)
+        *seconds = t[1] > t[0] ? (double)(t[1] - t[0]) * 1e-9 : 0.0;
+    return 1;
+}
+
+/* Report completed events, at most `max`, oldest first: tags[i] is its tag, status[i] its
+   execution status (0: complete; negative: its error) or the error of reading it, seconds[i]
+   its profiling time (0 without one).
+
+   With nothing taken yet the call waits (blocking) for the oldest event handed over, then takes
+   it and every later completed one (the queue is in order: a prefix). It returns them at once
+   when a caller waits for any command of the queue (clq_set_wake), one of them failed or is
+   urgent, the oldest pending event is urgent, `max` are taken, or the queue is closed;
+   otherwise it keeps looking at the oldest pending event every CLQ_POLL_NS and takes what
+   completed, for at most CLQ_HOLD_NS after the first: a queue nobody waits for returns one
+   batch per CLQ_HOLD_NS instead of one per event, and the caller's thread (which needs the
+   GIL the submitting thread holds) runs that much less often. A caller that starts waiting
+   meanwhile ends the hold at once.
+
+   Returns the number reported, or -1 once the queue is closed and every event was reported. 0
+   only after a wait that failed while its event had not completed: that event is not reported
+   until it has (its command may still use its memory); the call sleeps 1 ms first, so a
+   caller calling again does not spin. */
 int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags) {
-    struct slot taken[256];
-    if (max > 256) max = 256;
     if (max < 1) max = 1;
+    int done = 0, now_please = 0;
+    struct timespec due = {0, 0}, next;
     pthread_mutex_lock(&q->lock);
-    while (q->count == 0 && !q->closed) pthread_cond_wait(&q->more, &q->lock);
-    if (q->count == 0) {
-        pthread_mutex_unlock(&q->lock);
-        return -1;
+    for (;;) {
+        if (done == 0) {
+            while (q->count == 0 && !q->closed) pthread_cond_wait(&q->more, &q->lock);
+            if (q->count == 0) {
+                pthread_mutex_unlock(&q->lock);
+                return -1;
+            }
+            cl_event first = q->ring[q->head].event;
+            pthread_mutex_unlock(&q->lock);
+            q->wait(1, &first); /* (a failure: the statuses below tell) */
+            pthread_mutex_lock(&q->lock);
+        }
+        while (done < max && q->count > 0) { /* only this thread takes events: the prefix stays */
+            struct slot s = q->ring[q->head];
+            pthread_mutex_unlock(&q->lock);
+            int completed = clq_read(q, s.event, &status[done], &seconds[done]);
+            if (completed) q->release(s.event);
+            pthread_mutex_lock(&q->lock);
+            if (!completed) break; /* not completed yet: the next batch starts with it */
+            q->head = (q->head + 1) % q->cap;
+            q->count--;
+            tags[done] = s.tag;
+            if (done++ == 0) clq_after(&due, CLQ_HOLD_NS);
+            if (status[done - 1] != 0 || s.urgent) now_please = 1;
+        }
+        if (done == 0) { /* the wait failed and its event is still queued or running */
+            pthread_mutex_unlock(&q->lock);
+            struct timespec nap = {0, 1000000};
+            nanosleep(&nap, NULL);
+            return 0;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &next);
+        if (now_please || done == max || q->closed || !clq_before(&next, &due) ||
+            (q->count > 0 && q->ring[q->head].urgent))
+            break;
+        atomic_store(&q->polling, 1);
+        if (atomic_load(&q->wake) != CLQ_NO_WAKE) {
+            atomic_store(&q->polling, 0);
+            break;
+        }
+        clq_after(&next, CLQ_POLL_NS);
+        if (clq_before(&due, &next)) next = due;
+        pthread_cond_timedwait(&q->more, &q->lock, &next);
+        atomic_store(&q->polling, 0);
     }
-    cl_event first = q->ring[q->head].event;
-    pthread_mutex_unlock(&q->lock);
-    q->wait(1, &first); /* (a failure: the statuses below tell) */
-    pthread_mutex_lock(&q->lock); /* only this thread takes events: the prefix stays */
-    int n = (int)(q->count < (size_t)max ? q->count : (size_t)max);
-    for (int i = 0; i < n; i++) taken[i] = q->ring[(q->head + (size_t)i) % q->cap];
-    pthread_mutex_unlock(&q->lock);
-    int done = 0;
-    for (; done < n; done++) {
-        cl_int st = 0;
-        cl_event ev = taken[done].event;
-        cl_int code = q->event_info(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
-        if (code == 0 && st > 0) break; /* not completed yet: the next batch starts with it */
-        status[done] = code ? code : st;
-        tags[done] = taken[done].tag;
-        seconds[done] = 0.0;
-        cl_ulong t[2];
-        if (status[done] == 0 &&
-            q->profiling_info(ev, CL_PROFILING_COMMAND_START, sizeof t[0], &t[0], NULL) == 0 &&
-            q->profiling_info(ev, CL_PROFILING_COMMAND_END, sizeof t[1], &t[1], NULL) == 0)
-            seconds[done] = t[1] > t[0] ? (double)(t[1] - t[0]) * 1e-9 : 0.0;
-        q->release(ev);
-    }
-    if (done == 0) { /* the wait failed (`waited`) and its event is still queued or running */
-        struct timespec nap = {0, 1000000};
-        nanosleep(&nap, NULL);
-    }
-    pthread_mutex_lock(&q->lock);
-    q->head = (q->head + (size_t)done) % q->cap;
-    q->count -= (size_t)done;
     pthread_mutex_unlock(&q->lock);
     return done;
+}
+
+/* The smallest value a caller waits for (CLQ_NO_WAKE: none): while there is one, clq_wait()
+   returns what it took without holding it. Nothing in a forked child (no waiter runs there). */
+void clq_set_wake(clq_t *q, int64_t wake) {
+    atomic_store(&q->wake, wake); /* (no lock: the submitting thread sets it per wait) */
+    if (wake == CLQ_NO_WAKE || !atomic_load(&q->polling)) return;
+    if (q->pid != getpid()) return; /* a forked child: the parent's waiter may have held the lock */
+    pthread_mutex_lock(&q->lock);
+    pthread_cond_signal(&q->more);
+    pthread_mutex_unlock(&q->lock);
 }
 
 /* No more events: clq_wait() returns -1 once it reported every event handed over. */

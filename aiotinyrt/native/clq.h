@@ -4,6 +4,7 @@ typedef struct clq clq_t;
 clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, uintptr_t retain,
                uintptr_t release);
 void clq_free(clq_t *q);
-int clq_push(clq_t *q, void *event, int64_t tag);
+int clq_push(clq_t *q, void *event, int64_t tag, int urgent);
 int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags);
+void clq_set_wake(clq_t *q, int64_t wake);
 void clq_close(clq_t *q);

@@ -45,7 +45,7 @@ int set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {  /* steals value 
     return 0;
 }
 
-static Py_ssize_t slot_offset(PyTypeObject *type, const char *name) {
+Py_ssize_t slot_offset(PyTypeObject *type, const char *name) {
     PyObject *d = PyObject_GetAttrString((PyObject *)type, name);
     if (!d) return -1;
     if (!PyObject_TypeCheck(d, &PyMemberDescr_Type)) {
@@ -153,6 +153,63 @@ void fill_signal(PyObject *sig, PyObject *timeline, PyObject *value) {
     set_slot(sig, off_elapsed, Py_None);
 }
 
+/* A repeat launch's buffers: `bufs` (a tuple) are Buffers holding `handles` (the remembered
+   launch's), in order, each last touched by `timeline` only (or never). */
+int same_buffers(PyObject *bufs, PyObject *handles, PyObject *timeline) {
+    Py_ssize_t nb = PyTuple_GET_SIZE(bufs);
+    if (!PyTuple_CheckExact(handles) || PyTuple_GET_SIZE(handles) != nb) return 0;
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *b = PyTuple_GET_ITEM(bufs, i);
+        if (Py_TYPE(b) != buf_type || SLOT(b, off_handle) != PyTuple_GET_ITEM(handles, i)) return 0;
+        PyObject *acc = SLOT(b, off_accesses);
+        if (!acc || !PyList_CheckExact(acc) || PyList_GET_SIZE(acc) > 1) return 0;
+        if (PyList_GET_SIZE(acc) == 1) {
+            PyObject *a = PyList_GET_ITEM(acc, 0);
+            if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) != 4) return 0;
+            PyObject *prev = PyTuple_GET_ITEM(a, 2);
+            if (Py_TYPE(prev) != sig_type || SLOT(prev, off_timeline) != timeline) return 0;
+        }
+    }
+    return 1;
+}
+
+/* The access records of a launch of `sig` that writes every buffer of `bufs` (whole base
+   buffers): [(0, nbytes, sig, True)] each. 0, or -1 with the error set (some are not updated). */
+int record_writes(PyObject *bufs, PyObject *sig) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bufs); i++) {
+        PyObject *b = PyTuple_GET_ITEM(bufs, i);
+        PyObject *nbytes = SLOT(b, off_nbytes);
+#if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+        /* (3.14 caches tuple hashes; free-threaded builds cannot prove a reference is unique) */
+        PyObject *acc = SLOT(b, off_accesses);
+        if (acc && PyList_CheckExact(acc) && Py_REFCNT(acc) == 1 && PyList_GET_SIZE(acc) == 1) {
+            /* the record of the previous launch, [(0, nbytes, sig, True)], referenced only by
+               the buffer: put the new signal in place instead of building a new list and tuple
+               (a tuple nobody else sees may be filled in; tuples do not cache their hash) */
+            PyObject *old = PyList_GET_ITEM(acc, 0);
+            if (PyTuple_CheckExact(old) && Py_REFCNT(old) == 1 && PyTuple_GET_SIZE(old) == 4 &&
+                PyTuple_GET_ITEM(old, 0) == zero && PyTuple_GET_ITEM(old, 1) == nbytes &&
+                PyTuple_GET_ITEM(old, 3) == Py_True) {
+                PyObject *prev = PyTuple_GET_ITEM(old, 2);
+                Py_INCREF(sig);
+                PyTuple_SET_ITEM(old, 2, sig);
+                Py_DECREF(prev);
+                continue;
+            }
+        }
+#endif
+        PyObject *a = PyTuple_Pack(4, zero, nbytes ? nbytes : zero, sig, Py_True);
+        PyObject *list = a ? PyList_New(1) : NULL;
+        if (!list) {
+            Py_XDECREF(a);
+            return -1;
+        }
+        PyList_SET_ITEM(list, 0, a);
+        set_slot(b, off_accesses, list);
+    }
+    return 0;
+}
+
 static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, PyObject *timeline,
                              PyObject *queue, hq_t *q) {
     PyObject *entry = PyDict_GetItemWithError(by_bufs, key);  /* borrowed */
@@ -161,21 +218,7 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
         Py_RETURN_NONE;
     }
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 4) Py_RETURN_NONE;
-    PyObject *handles = PyTuple_GET_ITEM(entry, 3);
-    Py_ssize_t nb = PyTuple_GET_SIZE(bufs);
-    if (!PyTuple_CheckExact(handles) || PyTuple_GET_SIZE(handles) != nb) Py_RETURN_NONE;
-    for (Py_ssize_t i = 0; i < nb; i++) {
-        PyObject *b = PyTuple_GET_ITEM(bufs, i);
-        if (Py_TYPE(b) != buf_type || SLOT(b, off_handle) != PyTuple_GET_ITEM(handles, i)) Py_RETURN_NONE;
-        PyObject *acc = SLOT(b, off_accesses);
-        if (!acc || !PyList_CheckExact(acc) || PyList_GET_SIZE(acc) > 1) Py_RETURN_NONE;
-        if (PyList_GET_SIZE(acc) == 1) {
-            PyObject *a = PyList_GET_ITEM(acc, 0);
-            if (!PyTuple_CheckExact(a) || PyTuple_GET_SIZE(a) != 4) Py_RETURN_NONE;
-            PyObject *prev = PyTuple_GET_ITEM(a, 2);
-            if (Py_TYPE(prev) != sig_type || SLOT(prev, off_timeline) != timeline) Py_RETURN_NONE;
-        }
-    }
+    if (!same_buffers(bufs, PyTuple_GET_ITEM(entry, 3), timeline)) Py_RETURN_NONE;
     PyObject *stopping = queue_slot(queue, off_q_stopping);  /* borrowed */
     if (!stopping) return NULL;
     if (stopping != Py_False) Py_RETURN_NONE;
@@ -203,35 +246,7 @@ static PyObject *launch_impl(PyObject *key, PyObject *bufs, PyObject *by_bufs, P
         return NULL;
     }
     fill_signal(sig, timeline, value);
-    int failed = 0;
-    for (Py_ssize_t i = 0; !failed && i < nb; i++) {
-        PyObject *b = PyTuple_GET_ITEM(bufs, i);
-        PyObject *nbytes = SLOT(b, off_nbytes);
-#if PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
-        /* (3.14 caches tuple hashes; free-threaded builds cannot prove a reference is unique) */
-        PyObject *acc = SLOT(b, off_accesses);
-        if (acc && PyList_CheckExact(acc) && Py_REFCNT(acc) == 1 && PyList_GET_SIZE(acc) == 1) {
-            /* the record of the previous launch, [(0, nbytes, sig, True)], referenced only by
-               the buffer: put the new signal in place instead of building a new list and tuple
-               (a tuple nobody else sees may be filled in; tuples do not cache their hash) */
-            PyObject *old = PyList_GET_ITEM(acc, 0);
-            if (PyTuple_CheckExact(old) && Py_REFCNT(old) == 1 && PyTuple_GET_SIZE(old) == 4 &&
-                PyTuple_GET_ITEM(old, 0) == zero && PyTuple_GET_ITEM(old, 1) == nbytes &&
-                PyTuple_GET_ITEM(old, 3) == Py_True) {
-                PyObject *prev = PyTuple_GET_ITEM(old, 2);
-                Py_INCREF(sig);
-                PyTuple_SET_ITEM(old, 2, sig);
-                Py_DECREF(prev);
-                continue;
-            }
-        }
-#endif
-        PyObject *a = PyTuple_Pack(4, zero, nbytes ? nbytes : zero, sig, Py_True);
-        PyObject *list = a ? PyList_New(1) : NULL;
-        if (!list) { Py_XDECREF(a); failed = 1; break; }
-        PyList_SET_ITEM(list, 0, a);
-        set_slot(b, off_accesses, list);
-    }
+    int failed = record_writes(bufs, sig) < 0;
     PyObject *type = NULL, *exc = NULL, *tb = NULL;
     if (failed) PyErr_Fetch(&type, &exc, &tb);
     if (hold_until(queue, SLOT(sig, off_value), entry, 1) < 0) {  /* (the entry stays held) */
@@ -296,7 +311,27 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_XDECREF(capturing);
         PyObject *fast = idle ? SLOT(self, off_p_fast) : NULL;  /* (self: a Program, by the descriptor) */
         Py_XINCREF(fast);
-        if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 4 &&
+        if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 7) {  /* a CL program */
+            PyObject *bufs = PyTuple_New(nargs), *sig = NULL, *key = NULL;
+            if (bufs) {
+                for (Py_ssize_t i = 0; i < nargs; i++) {
+                    Py_INCREF(args[i]);
+                    PyTuple_SET_ITEM(bufs, i, args[i]);
+                }
+                key = nkw ? PyTuple_Pack(3, vals_key, bufs, args[nargs]) : (Py_INCREF(bufs), bufs);
+            }
+            if (key) sig = cl_launch_impl(self, key, bufs, fast);
+            Py_XDECREF(key);
+            Py_XDECREF(bufs);
+            Py_DECREF(fast);
+            if (sig == NULL) {
+                if (PyErr_Occurred()) return NULL;
+            } else if (sig != Py_None) {
+                return sig;
+            } else {
+                Py_DECREF(sig);
+            }
+        } else if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 4 &&
             PyDict_CheckExact(PyTuple_GET_ITEM(fast, 2))) {
             hq_t *q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
             PyObject *bufs = q ? PyTuple_New(nargs) : NULL;
@@ -369,6 +404,8 @@ static PyMethodDef hq_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))py_configure, METH_FASTCALL, "configure(Signal, Buffer, HostQueue, Timeline, Program)"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(bufs, by_bufs, timeline, q)"},
     {"replay", (PyCFunction)(void (*)(void))py_replay, METH_FASTCALL, "replay(runs)"},
+    {"cl_configure", (PyCFunction)(void (*)(void))py_cl_configure, METH_FASTCALL,
+     "cl_configure(Completion, enqueue, release, wait)"},
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef hq_module = {

@@ -24,5 +24,11 @@ HIDDEN PyObject *queue_slot(PyObject *queue, Py_ssize_t off);
 HIDDEN int set_slot(PyObject *obj, Py_ssize_t off, PyObject *value);
 HIDDEN int hold_until(PyObject *queue, PyObject *value, PyObject *hold, int extend);
 HIDDEN void fill_signal(PyObject *sig, PyObject *timeline, PyObject *value);
+HIDDEN Py_ssize_t slot_offset(PyTypeObject *type, const char *name);
+HIDDEN int same_buffers(PyObject *bufs, PyObject *handles, PyObject *timeline);
+HIDDEN int record_writes(PyObject *bufs, PyObject *sig);
 HIDDEN PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n);
+/* clfast.c: the repeat launch of a CL program */
+HIDDEN PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject *fast);
+HIDDEN PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n);
 #endif

@@ -1,0 +1,173 @@
+"""The CL repeat launch made in C (aiotinyrt/native/clfast.c): which launches take it, that they
+land in the same DriverQueue state a Python launch leaves, and that it steps aside whenever the
+Python path would do anything but enqueue (arguments to set, commands held back, a sticky error,
+a completion ring that refuses the event)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiotinyrt import Buffer, Device, DeviceError, dtypes, native
+from aiotinyrt.backends import cl_queue
+from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.ops_cl import CLDevice, ffi
+from aiotinyrt.program import Program
+
+pytestmark = pytest.mark.anyio
+
+INC = "__kernel void inc(__global int* out) { out[0] += 1; }"
+ADD = "__kernel void add(__global int* out, int v) { out[0] += v; }"
+SET5 = "__kernel void set5(__global int* out) { out[0] = 5; }"
+
+
+async def _zeroed(dev: CLDevice) -> Buffer:
+    out = await Buffer(dev.name, 1, dtypes.int32).allocate()
+    await out.copyin(np.zeros(1, np.int32))
+    return out
+
+
+def _c_device() -> CLDevice:
+    """CL, skipped where its repeat launch cannot be in C (no extension module or no ring)."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    if not dev._compute_queue.driver._ring or native.launcher() is None:  # type: ignore[attr-defined]
+        pytest.skip("NATIVE_QUEUE=0: no extension module and no completion ring, so no C launch")
+    return dev
+
+
+class _PythonCalls:
+    """Counts the launches that enter the Python implementation (``Program._call``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        call = Program._call
+
+        def counted(prog: Program, *args: Any) -> Any:
+            self.n += 1
+            return call(prog, *args)
+
+        monkeypatch.setattr(Program, "_call", counted)
+
+
+async def test_repeat_launches_are_made_in_c_and_leave_what_a_python_launch_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the first launch enters Python; the others' signals, access records and events are
+    those of a Python launch: a read on the copy queue, submitted while they are still queued
+    (behind a Python command), has the last one's event in its wait list."""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await _zeroed(dev)
+    queue, copy = dev._compute_queue, dev.queues["copy"]
+    go = threading.Event()
+    ahead = queue.submit(lambda: go.wait(60), ())  # (the queue's later commands wait for it)
+    calls = _PythonCalls(monkeypatch)
+    sigs = [prog(out) for _ in range(200)]
+    assert calls.n == 1 and len(prog._fast or ()) == 7
+    last = sigs[-1]
+    assert out._accesses == [(0, 4, last, True)] and last.timeline is queue.timeline
+    assert [s.value for s in sigs] == list(range(ahead.value + 1, ahead.value + 201))
+    assert type(queue._events[last.value]).__name__ == "ClEvent"
+    host = np.zeros(1, np.int32)
+    read = out._enqueue_copy(memoryview(host), into=False)
+    assert not copy._held  # (handed over with the launch's event in its wait list)
+    go.set()
+    await read
+    assert host[0] == 200 and all(s.done() and not s.failed() for s in sigs) and await last >= 0.0
+    assert queue._commands == {} and queue._events == {}
+    await out.free()
+
+
+async def test_a_launch_with_other_arguments_goes_to_python_and_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel's arguments are state: launches alternating between buffers, or between
+    vals, each set them in Python; the same ones again repeat in C."""
+    dev = _c_device()
+    add = await dev.program("add", ADD)
+    a, b = await _zeroed(dev), await _zeroed(dev)
+    calls = _PythonCalls(monkeypatch)
+    for _ in range(5):
+        add(a, vals=(1,))
+        add(b, vals=(10,))
+    assert calls.n == 10
+    for _ in range(5):
+        add(a, vals=(2,))
+    assert calls.n == 11  # the first one sets the new vals
+    assert (await a.numpy())[0] == 5 + 10 and (await b.numpy())[0] == 50
+    await a.free()
+    await b.free()
+
+
+async def test_a_repeat_launch_behind_a_held_back_command_waits_its_turn() -> None:
+    """A command held back for another device's pending work keeps every later one of its
+    queue back: the repeat launch must not reach the driver first (it would run first)."""
+    dev = _c_device()
+    inc, set5 = await dev.program("inc", INC), await dev.program("set5", SET5)
+    out = await _zeroed(dev)
+    await inc(out)  # (remembered: the next one repeats)
+    gate = threading.Event()
+    blocker = Device["CPU"]._compute_queue.submit(lambda: gate.wait(60), ())
+    held = set5(out, wait_for=[blocker])
+    after = inc(out)
+    assert not held.done() and dev._compute_queue._held
+    gate.set()
+    await after
+    assert held.done() and (await out.numpy())[0] == 6  # 5, then + 1
+    await out.free()
+
+
+async def test_a_repeat_launch_on_a_device_holding_its_error_fails_unrun() -> None:
+    """A repeat launch after a failure takes the Python path, which fails it with the sticky
+    error; after reset() they repeat in C again."""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await _zeroed(dev)
+    await prog(out)
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    failed = dev._compute_queue.submit(boom, ())
+    with pytest.raises(DeviceError, match="boom"):
+        await failed
+    with pytest.raises(DeviceError, match="boom"):
+        await prog(out)
+    await dev.reset()
+    await prog(out)
+    assert (await out.numpy())[0] == 2
+    await out.free()
+
+
+async def test_a_repeat_launch_the_completion_ring_refuses_fails_once_the_kernel_ran() -> None:
+    """A launch made in C whose event the completion ring refuses (here: a closed ring put in
+    the program's C state) was enqueued: its signal fails with the ring's MemoryError only once
+    the kernel ran. Here the kernel waits behind a Python command, which the waiter thread runs
+    with the GIL: the launch must let go of it while it waits. The queue goes on after reset()."""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await _zeroed(dev)
+    await prog(out)
+    lib, cl, fast, queue = native.load(), ocl.lib(), prog._fast, dev._compute_queue
+    assert fast is not None
+    entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, n))) for n in cl_queue._ENTRY_POINTS]
+    closed = native.ffi.gc(lib.clq_new(*entry), lib.clq_free)
+    lib.clq_close(closed)
+    ran: list[bool] = []
+    ahead = queue.submit(lambda: ran.append(True), ())  # (the queue's later commands wait for it)
+    prog._fast = (*fast[:3], int(native.ffi.cast("uintptr_t", closed)), *fast[4:])
+    try:
+        refused = prog(out)
+    finally:
+        prog._fast = fast
+    assert ran and refused.done() and refused.value == ahead.value + 1
+    with pytest.raises(DeviceError, match="no memory for the completion ring"):
+        await refused
+    await dev.reset()
+    await prog(out)  # (the waiter drops the refused command's item)
+    assert (await out.numpy())[0] == 3
+    await out.free()
