@@ -3,14 +3,18 @@
     python bench/ray.py            # 7 repetitions, 10,000 pipelined launches, 64 MiB copies
     python bench/ray.py --quick    # 3 repetitions, 2,000 launches, 16 MiB copies
     python bench/ray.py --chunk-mib 16   # copies in pieces of 16 MiB (default: wire.CHUNK_BYTES)
+    python bench/ray.py --only roundtrip [--reps N]   # the launch rows, and where a round trip goes
 
 The cluster is the bench's own (``address="local"``: 2 CPUs, a 1 GiB object store, so store
 memory is reused from the first repetition on). Medians over the repetitions; asyncio. Rows:
 
 - bare actor call, one after another: ``await actor.launch.remote()`` of a method returning
-  None, 200 times (the anchor of the launch rows); pipelined: 2,000 sent, then gathered.
+  None (the anchor of the launch rows), 200 calls, each followed by one round trip (below) and
+  each call timed: the row is the median call, so anchor and round trip see the same load;
+  pipelined: 2,000 sent, then gathered.
 - remote launches pipelined: a one-float kernel on ``RAY:b1/CPU``, all submitted in one loop
-  turn, the last awaited; round trip: one launch awaited, 200 times.
+  turn, the last awaited; round trip: one launch awaited (the median of the 200 calls made in
+  turn with the anchor's).
 - copyin / copyout: ``Buffer.copyin`` / ``copyout`` of 64 MiB between a numpy array here and a
   buffer of ``RAY:b1/CPU``; the stall row is the longest a 1 ms sleep on the loop overslept
   during the copyin (what the copy took from other tasks).
@@ -34,6 +38,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -71,6 +76,9 @@ class Bare:
     async def launch(self) -> None:
         return None
 
+    async def take_bytes(self, blob: bytes) -> None:
+        return None
+
     async def take(self, refs: list[Any]) -> None:
         """What a copyin does on a host: read the put array zero-copy, copy it into memory."""
         np.copyto(self.memory, await refs[0])
@@ -87,6 +95,88 @@ async def timed(fn: Callable[[], Awaitable[object]]) -> float:
     start = time.perf_counter()
     await fn()
     return time.perf_counter() - start
+
+
+async def roundtrip(reps: int, n: int) -> None:
+    """``--only roundtrip``: the launch rows only, and where a round trip's time goes: the host's
+    ``run`` of an empty batch and of one launch awaited straight on the loop (another client id,
+    so its batches are numbered apart from the device's), and a bare call whose reply a thread
+    ``ray.get``\\ s and hands to the loop (the stream's waiter-thread path)."""
+    bare = Bare.remote(1)
+    await bare.launch.remote()
+    host = airay.start_host("b1")
+    await host.ping.remote()
+    dev = Device["RAY:b1/CPU"]
+    prog = await dev.program("k", KERNEL)
+    a = await Buffer(dev.name, 1, dtypes.float32).allocate()
+    b = await Buffer(dev.name, 1, dtypes.float32).allocate()
+    await prog(a, b)
+    client, seq = "bench-" + os.urandom(4).hex(), 0
+
+    async def run(batch: list[Any]) -> None:
+        nonlocal seq
+        seq += 1
+        await host.run.remote(*wire.encode(client, seq, batch))
+
+    await run([(wire.ALLOC, "CPU", 1, 4, False), (wire.ALLOC, "CPU", 2, 4, False)])
+    launch = (wire.LAUNCH, 0, "CPU", prog.key, [(1, 4, 0), (2, 4, 0)], (1,), None, (), [])  # type: ignore[attr-defined]
+    loop = asyncio.get_running_loop()
+
+    async def threaded() -> None:
+        fut = loop.create_future()
+
+        def wait(ref: Any) -> None:
+            ray.get(ref)
+            loop.call_soon_threadsafe(fut.set_result, None)
+
+        threading.Thread(target=wait, args=(bare.launch.remote(),)).start()
+        await fut
+
+    rows: dict[str, list[float]] = {}
+    steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+        ("bare actor call (µs)", lambda: bare.launch.remote()),
+        ("bare actor call, its reply ray.get on a new thread (µs)", threaded),
+        ("bare actor call of one bytes argument (µs)", lambda: bare.take_bytes.remote(b"x" * 200)),
+        ("host ping, awaited on the loop (µs)", lambda: host.ping.remote()),
+        ("host run of an empty batch, awaited on the loop (µs)", lambda: run([])),
+        ("host run of one launch, awaited on the loop (µs)", lambda: run([launch])),
+        ("remote launch + await round trip (µs)", lambda: prog(a, b)),
+    ]
+    for _ in range(reps):
+        # one call of each row in turn, timed apart: the rows see the same load
+        for _ in range(n):
+            for row, step in steps:
+                start = time.perf_counter()
+                await step()
+                rows.setdefault(row, []).append((time.perf_counter() - start) * 1e6)
+        t = await timed(lambda: _pipelined(prog, a, b, 2000))
+        rows.setdefault("remote launches pipelined, 2,000 (µs/launch)", []).append(t / 2000 * 1e6)
+        t = await timed(lambda: asyncio.gather(*[bare.launch.remote() for _ in range(2000)]))
+        rows.setdefault("bare actor calls pipelined, 2,000 (µs/call)", []).append(t / 2000 * 1e6)
+    await run([(wire.FREE, 1), (wire.FREE, 2)])
+    anchor = statistics.median(rows[steps[0][0]])
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"bench/ray.py --only roundtrip: {reps} × {n} calls of each row, interleaved; Ray {ray.__version__}"
+    )
+    print(f"load average at the end (1 / 5 / 15 min): {load}\n")
+    print("| row | median | quartiles | vs one bare actor call |")
+    print("|---|---|---|---|")
+    for row, values in rows.items():
+        med = statistics.median(values)
+        ratio = f"{anchor / med:.1f}× the rate" if "pipelined" in row else f"{med / anchor:.2f}×"
+        q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (med, med, med)
+        print(f"| {row} | {med:,.0f} | {q1:,.0f}..{q3:,.0f} | {ratio} |")
+    for buf in (a, b):
+        await buf.free()
+    await dev.aclose()
+
+
+async def _pipelined(prog: Any, a: Buffer, b: Buffer, n: int) -> None:
+    sig = None
+    for _ in range(n):
+        sig = prog(a, b)
+    await sig
 
 
 async def main(reps: int, launches: int, copy_mib: int) -> None:
@@ -115,8 +205,15 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         rows.setdefault(row, []).append(value)
 
     for _ in range(reps):
-        t = await timed(lambda: _sequential(bare, rt_n))
-        add("bare actor call, one after another (µs/call)", t / rt_n * 1e6)
+        # the anchor and the round trip call by call in turn, each call timed: both see the
+        # same load (timed as two blocks, the first took the previous repetition's copies'
+        # aftermath, or a burst of another job, alone)
+        bare_s: list[float] = []
+        trip_s: list[float] = []
+        for _ in range(rt_n):
+            bare_s.append(await timed(lambda: bare.launch.remote()))
+            trip_s.append(await timed(lambda: prog(a, b)))
+        add("bare actor call, one after another (µs/call)", statistics.median(bare_s) * 1e6)
         t = await timed(lambda: asyncio.gather(*[bare.launch.remote() for _ in range(pipe_bare_n)]))
         add("bare actor calls pipelined (µs/call)", t / pipe_bare_n * 1e6)
 
@@ -128,13 +225,7 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
 
         t = await timed(pipelined)
         add(f"remote launches pipelined, {launches:,} (µs/launch)", t / launches * 1e6)
-
-        async def round_trips() -> None:
-            for _ in range(rt_n):
-                await prog(a, b)
-
-        t = await timed(round_trips)
-        add("remote launch + await round trip (µs)", t / rt_n * 1e6)
+        add("remote launch + await round trip (µs)", statistics.median(trip_s) * 1e6)
 
         gbs = nbytes / 1e9
         stall: list[float] = []
@@ -181,6 +272,10 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
                 f"{value / get:.0%} of ray.get into an array; {value / like_out:.0%} of bare Ray's copyout"
             )
         print(f"| {row} | {value:,.2f} | {ratio} |")
+    trips = rows["remote launch + await round trip (µs)"]
+    calls = rows["bare actor call, one after another (µs/call)"]
+    each = " ".join(f"{t / c:.2f}" for t, c in zip(trips, calls, strict=True))
+    print(f"\nround trip / bare actor call, each repetition: {each}")
     for buf in (a, b, big, far):
         await buf.free()
     await dev.aclose()
@@ -222,15 +317,12 @@ async def _watched(fn: Callable[[], Awaitable[object]], stall: list[float]) -> f
     return seconds
 
 
-async def _sequential(bare: Any, n: int) -> None:
-    for _ in range(n):
-        await bare.launch.remote()
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--chunk-mib", type=int, default=None, help="the copies' piece size")
+    parser.add_argument("--only", choices=["roundtrip"], help="the launch rows and a round trip's breakdown")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 7, --quick 3)")
     args = parser.parse_args()
     if args.chunk_mib is not None:
         wire.CHUNK_BYTES = args.chunk_mib * MiB
@@ -243,10 +335,12 @@ if __name__ == "__main__":
         log_to_driver=False,
     )
     try:
-        if args.quick:
-            asyncio.run(main(3, 2000, 16))
+        if args.only == "roundtrip":
+            asyncio.run(roundtrip(args.reps or (3 if args.quick else 7), 200))
+        elif args.quick:
+            asyncio.run(main(args.reps or 3, 2000, 16))
         else:
-            asyncio.run(main(7, 10000, 64))
+            asyncio.run(main(args.reps or 7, 10000, 64))
     finally:
         ray.shutdown()
         shutil.rmtree(_TMP, ignore_errors=True)

@@ -76,6 +76,31 @@ async def test_a_loop_turn_of_launches_is_one_call_and_runs_in_order(stand_in: S
     await a.free()
 
 
+async def test_a_batch_without_arrays_is_one_argument_of_its_call(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each argument of an actor call costs Ray about as much as a small call's own
+    # serialization: a batch travels as one pickle (client, number and commands in it), with
+    # its arrays' buffers as a second argument only when it has arrays
+    dev = Device["RAY:s1/CPU:6"]
+    prog = await dev.program("add1", ADD_SRC)
+    a = await filled_buffer(dev.name, np.zeros(N, np.int32))
+    await prog(a)
+    real, args = stand_in.call, []
+
+    def call(host: Host, method: str, arguments: tuple[Any, ...]) -> Any:
+        if method == "run":
+            args.append(len(arguments))
+        return real(host, method, arguments)
+
+    monkeypatch.setattr(stand_in, "call", call)
+    await prog(a)
+    await a.copyin(np.full(N, 7, np.int32))  # (a small copy: its array rides in the call)
+    assert args == [1, 2]
+    assert ((await a.numpy()) == 7).all()
+    await a.free()
+
+
 async def test_a_long_turn_sends_a_call_every_batch_limit_commands(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,7 +218,7 @@ async def test_the_host_takes_a_clients_batches_in_sequence_order() -> None:
     order: list[int] = []
 
     async def send(seq: int, batch: list[Any]) -> None:
-        await host.run("c", seq, *wire.encode(batch))
+        await host.run(*wire.encode("c", seq, batch))
         order.append(seq)
 
     alloc: list[Any] = [(wire.ALLOC, "CPU:6", 1, 64, False)]

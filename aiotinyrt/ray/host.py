@@ -136,11 +136,12 @@ class Host:
         await anyio.sleep(0)
         return len(gone)
 
-    async def run(self, client: str, seq: int, blob: bytes, buffers: list[Any], refs: list[Any]) -> list[Any]:
-        """Run one batch of ``client``'s commands (:func:`wire.encode`'s pickle, buffers and
-        refs), after its earlier batches were submitted; the reply holds one entry per command
-        (see :mod:`aiotinyrt.ray.wire`)."""
-        batch = wire.decode(blob, buffers, refs)
+    async def run(self, blob: bytes, buffers: Sequence[Any] = (), refs: Sequence[Any] = ()) -> list[Any]:
+        """Run one batch of a client's commands (:func:`wire.encode`'s arguments: the pickle
+        of the client's id, the batch's number and its commands, then any buffers and refs),
+        after the client's earlier batches were submitted; the reply holds one entry per
+        command (see :mod:`aiotinyrt.ray.wire`)."""
+        client, seq, batch = wire.decode(blob, buffers, refs)
         async with self._turn:
             await self._turn.wait_for(lambda: self._next.get(client, 1) == seq)
         results: list[Any] = [None] * len(batch)

@@ -225,26 +225,27 @@ class Connection:
             if self.lost is not None:
                 _fail(replies, HostLost(self.lost))
                 return
+            seq = self._seq + 1
             try:
-                batch, args = [make()], None
-                args = wire.encode(batch, refs=True)
+                args = wire.encode(self.client, seq, [make()], refs=True)
             except Exception as exc:  # (the put failed: this part fails; its number still goes)
                 _fail(replies, exc)
-                replies, args = [], wire.encode([], refs=True)
+                replies, args = [], wire.encode(self.client, seq, [])
         else:
             assert item.batch is not None and item.replies is not None
             replies = item.replies
             if self.lost is not None:
                 _fail(replies, HostLost(self.lost))
                 return
+            seq = self._seq + 1
             try:
-                args = wire.encode(item.batch)
+                args = wire.encode(self.client, seq, item.batch)
             except Exception as exc:  # (the commands fail as they are; the number still goes)
                 _fail(replies, exc)
-                replies, args = [], wire.encode([])
-        self._seq += 1
+                replies, args = [], wire.encode(self.client, seq, [])
+        self._seq = seq
         try:
-            ref: Any = self.actor.run.remote(self.client, self._seq, *args)
+            ref: Any = self.actor.run.remote(*args)
         except Exception as exc:  # the number never reached the host: nothing later can run
             self.lost = f"host {self.host}: device lost ({exc!r})"
             _fail(replies, HostLost(self.lost))

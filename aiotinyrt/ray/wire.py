@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -52,11 +53,15 @@ CHUNK_BYTES = 64 << 20
 PIECES_IN_FLIGHT = 2
 
 
-def encode(batch: list[Command], refs: bool = False) -> tuple[bytes, list[Any], list[Any]]:
-    """A batch as one pickle, the buffers of its arrays (out of band), and (``refs``: the batch
-    may hold object refs) its object refs: Ray then serializes one bytes object, puts each array
-    zero-copy, and passes the refs as refs (their owner known), instead of serializing each
-    command. (Looking for refs costs a call per pickled object: only small batches do.)"""
+def encode(client: str, seq: int, batch: list[Command], refs: bool = False) -> tuple[Any, ...]:
+    """The arguments of the actor call (``Host.run``) carrying batch number ``seq`` of
+    ``client``: one pickle of ``(client, seq, batch)``, then, only where there are any, the
+    buffers of its arrays (out of band) and (``refs``: the batch may hold object refs) its
+    object refs. Ray then serializes one bytes object, puts each array zero-copy, and passes the
+    refs as refs (their owner known), instead of serializing each command; each further
+    argument of an actor call costs about as much again as a small call's own serialization
+    (BENCHMARKS.md, Ray), so a batch of no arrays and no refs is one argument. (Looking for refs
+    costs a call per pickled object: only small batches do.)"""
     buffers: list[pickle.PickleBuffer] = []
     found: list[Any] = []
     out = io.BytesIO()
@@ -64,18 +69,28 @@ def encode(batch: list[Command], refs: bool = False) -> tuple[bytes, list[Any], 
         pickler: pickle.Pickler = _RefPickler(out, found, buffer_callback=buffers.append)
     else:
         pickler = pickle.Pickler(out, 5, buffer_callback=buffers.append)
-    pickler.dump(batch)
-    return out.getvalue(), [np.frombuffer(b.raw(), np.uint8) for b in buffers], found
+    pickler.dump((client, seq, batch))
+    blob = out.getvalue()
+    if found:
+        return blob, [np.frombuffer(b.raw(), np.uint8) for b in buffers], found
+    if buffers:
+        return blob, [np.frombuffer(b.raw(), np.uint8) for b in buffers]
+    return (blob,)
 
 
-def decode(blob: bytes, buffers: list[Any], refs: list[Any]) -> list[Command]:
-    """The batch of :func:`encode` (its arrays read the buffers given: zero-copy)."""
+#: What :func:`decode` returns: the client's id, the batch's number, its commands.
+Batch = tuple[str, int, list[Command]]
+
+
+def decode(blob: bytes, buffers: Sequence[Any] = (), refs: Sequence[Any] = ()) -> Batch:
+    """``(client, seq, batch)`` of :func:`encode`'s arguments (the batch's arrays read the
+    buffers given: zero-copy)."""
     if not refs:
-        batch: list[Command] = pickle.loads(blob, buffers=buffers)
-        return batch
+        decoded: Batch = pickle.loads(blob, buffers=buffers)
+        return decoded
     unpickler = _RefUnpickler(io.BytesIO(blob), refs, buffers=buffers)
-    batch = unpickler.load()
-    return batch
+    decoded = unpickler.load()
+    return decoded
 
 
 class _RefPickler(pickle.Pickler):
@@ -95,7 +110,7 @@ class _RefPickler(pickle.Pickler):
 class _RefUnpickler(pickle.Unpickler):
     """Reads what :class:`_RefPickler` wrote, the refs taken from ``refs``."""
 
-    def __init__(self, src: io.BytesIO, refs: list[Any], **kwargs: Any) -> None:
+    def __init__(self, src: io.BytesIO, refs: Sequence[Any], **kwargs: Any) -> None:
         super().__init__(src, **kwargs)
         self._refs = refs
 
