@@ -136,12 +136,12 @@ class Host:
         await anyio.sleep(0)
         return len(gone)
 
-    async def run(self, blob: bytes, buffers: Sequence[Any] = (), refs: Sequence[Any] = ()) -> list[Any]:
+    async def run(self, blob: bytes, *extra: Sequence[Any]) -> list[Any]:
         """Run one batch of a client's commands (:func:`wire.encode`'s arguments: the pickle
-        of the client's id, the batch's number and its commands, then any buffers and refs),
-        after the client's earlier batches were submitted; the reply holds one entry per
-        command (see :mod:`aiotinyrt.ray.wire`)."""
-        client, seq, batch = wire.decode(blob, buffers, refs)
+        of the client's id, the batch's number and its commands, then its arrays' buffers and
+        its refs where it has any), after the client's earlier batches were submitted; the
+        reply holds one entry per command (see :mod:`aiotinyrt.ray.wire`)."""
+        client, seq, batch = wire.decode(blob, *extra)
         async with self._turn:
             await self._turn.wait_for(lambda: self._next.get(client, 1) == seq)
         results: list[Any] = [None] * len(batch)

@@ -2,7 +2,9 @@
 :class:`Store` through which both reach Ray (actors by name, the object store).
 
 A command is a tuple whose first item is one of the operation codes below; a batch is a list of
-them, sent in one actor call, and the host's reply holds one entry per command: a float (the
+them, sent in one actor call (``Host.run``) whose one argument is the pickle of the client's id,
+the batch's number and the batch (:func:`encode`; a batch with arrays or object refs adds
+their buffers and refs as further arguments), and the host's reply holds one entry per command: a float (the
 command ran, in that many device seconds) or a tuple ``(seconds, error message or None,
 payload, cause)`` (``cause``: the exception the command failed with, where it pickles;
 ``payload``: a copyout's bytes, the statistics asked for, the count a release freed). Bulk
