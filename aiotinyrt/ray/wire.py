@@ -60,10 +60,10 @@ def encode(client: str, seq: int, batch: list[Command], refs: bool = False) -> t
     ``client``: one pickle of ``(client, seq, batch)``, then, only where there are any, the
     buffers of its arrays (out of band) and (``refs``: the batch may hold object refs) its
     object refs. Ray then serializes one bytes object, puts each array zero-copy, and passes the
-    refs as refs (their owner known), instead of serializing each command; each further
-    argument of an actor call costs about as much again as a small call's own serialization
-    (BENCHMARKS.md, Ray), so a batch of no arrays and no refs is one argument. (Looking for refs
-    costs a call per pickled object: only small batches do.)"""
+    refs as refs (their owner known), instead of serializing each command; each argument of an
+    actor call costs Ray roughly 0.05× a bare call (BENCHMARKS.md, Ray), so a batch of no arrays
+    and no refs is one argument. (Looking for refs costs a call per pickled object: only small
+    batches do.)"""
     buffers: list[pickle.PickleBuffer] = []
     found: list[Any] = []
     out = io.BytesIO()
