@@ -69,6 +69,9 @@ class StandIn:
         self._keys = itertools.count()
         self._held: dict[int, asyncio.Event] = {}
         self._paused: dict[int, asyncio.Event] = {}
+        #: a call and a kill of its host, from two threads, take turns: a call is either failed
+        #: by the kill or sees its host dead (never started on a host killed meanwhile)
+        self._calling = threading.Lock()
         self.calls: dict[str, int] = {}  #: actor calls per method name
         self.puts = 0  #: objects put
 
@@ -95,14 +98,16 @@ class StandIn:
 
     def kill(self, name: str) -> None:
         """The host ``name`` dies: its pending calls fail, and so does every later one."""
-        host = self._hosts.pop(name)
-        self._dead.add(id(host))
-        self._killed.append(host)  # (kept: no later host may reuse its id)
-        for waiting in (self._held, self._paused):  # (their calls end: the futures fail below)
-            event = waiting.pop(id(host), None)
-            if event is not None:
-                self.loop.call_soon_threadsafe(event.set)
-        for fut in self._pending.pop(id(host), set()):
+        with self._calling:
+            host = self._hosts.pop(name)
+            self._dead.add(id(host))
+            self._killed.append(host)  # (kept: no later host may reuse its id)
+            for waiting in (self._held, self._paused):  # (their calls end: the futures fail below)
+                event = waiting.pop(id(host), None)
+                if event is not None:
+                    self.loop.call_soon_threadsafe(event.set)
+            pending = self._pending.pop(id(host), set())
+        for fut in pending:
             if not fut.done():
                 fut.set_exception(ActorDied(f"the actor {name} died"))
 
@@ -110,13 +115,18 @@ class StandIn:
         """Run ``host.method(*args)`` on the hosts' loop; its future (the result copied)."""
         self.calls[method] = self.calls.get(method, 0) + 1
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if id(host) in self._dead:
+        with self._calling:
+            dead = id(host) in self._dead
+            if not dead:
+                pending = self._pending.setdefault(id(host), set())
+                pending.add(fut)
+        if dead:
             fut.set_exception(ActorDied("the actor died"))
             return fut
-        pending = self._pending.setdefault(id(host), set())
-        pending.add(fut)
 
         async def run() -> None:
+            if id(host) in self._dead:
+                return  # (killed before the call started: the kill fails it)
             held = self._held.get(id(host))
             if held is not None:
                 await held.wait()  # (never set: a held host's calls end when it is killed)
@@ -131,8 +141,8 @@ class StandIn:
             else:
                 error = None
             pending.discard(fut)
-            if fut.done():
-                return  # (killed meanwhile)
+            if fut.done() or id(host) in self._dead:
+                return  # (killed meanwhile: the kill fails it)
             if error is None:
                 fut.set_result(result)
             else:
