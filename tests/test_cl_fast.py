@@ -11,23 +11,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiotinyrt import Buffer, Device, DeviceError, dtypes, native
+from aiotinyrt import Device, DeviceError, native
 from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
 from aiotinyrt.program import Program
+from tests.helpers import int_buffer
 
 pytestmark = pytest.mark.anyio
 
 INC = "__kernel void inc(__global int* out) { out[0] += 1; }"
 ADD = "__kernel void add(__global int* out, int v) { out[0] += v; }"
 SET5 = "__kernel void set5(__global int* out) { out[0] = 5; }"
-
-
-async def _zeroed(dev: CLDevice) -> Buffer:
-    out = await Buffer(dev.name, 1, dtypes.int32).allocate()
-    await out.copyin(np.zeros(1, np.int32))
-    return out
 
 
 def _c_device() -> CLDevice:
@@ -61,7 +56,7 @@ async def test_repeat_launches_are_made_in_c_and_leave_what_a_python_launch_leav
     (behind a Python command), has the last one's event in its wait list."""
     dev = _c_device()
     prog = await dev.program("inc", INC)
-    out = await _zeroed(dev)
+    out = await int_buffer(dev.name)
     queue, copy = dev._compute_queue, dev.queues["copy"]
     go = threading.Event()
     ahead = queue.submit(lambda: go.wait(60), ())  # (the queue's later commands wait for it)
@@ -89,7 +84,7 @@ async def test_a_launch_with_other_arguments_goes_to_python_and_sets_them(
     vals, each set them in Python; the same ones again repeat in C."""
     dev = _c_device()
     add = await dev.program("add", ADD)
-    a, b = await _zeroed(dev), await _zeroed(dev)
+    a, b = await int_buffer(dev.name), await int_buffer(dev.name)
     calls = _PythonCalls(monkeypatch)
     for _ in range(5):
         add(a, vals=(1,))
@@ -108,7 +103,7 @@ async def test_a_repeat_launch_behind_a_held_back_command_waits_its_turn() -> No
     queue back: the repeat launch must not reach the driver first (it would run first)."""
     dev = _c_device()
     inc, set5 = await dev.program("inc", INC), await dev.program("set5", SET5)
-    out = await _zeroed(dev)
+    out = await int_buffer(dev.name)
     await inc(out)  # (remembered: the next one repeats)
     gate = threading.Event()
     blocker = Device["CPU"]._compute_queue.submit(lambda: gate.wait(60), ())
@@ -126,7 +121,7 @@ async def test_a_repeat_launch_on_a_device_holding_its_error_fails_unrun() -> No
     error; after reset() they repeat in C again."""
     dev = _c_device()
     prog = await dev.program("inc", INC)
-    out = await _zeroed(dev)
+    out = await int_buffer(dev.name)
     await prog(out)
 
     def boom() -> None:
@@ -150,7 +145,7 @@ async def test_a_repeat_launch_the_completion_ring_refuses_fails_once_the_kernel
     with the GIL: the launch must let go of it while it waits. The queue goes on after reset()."""
     dev = _c_device()
     prog = await dev.program("inc", INC)
-    out = await _zeroed(dev)
+    out = await int_buffer(dev.name)
     await prog(out)
     lib, cl, fast, queue = native.load(), ocl.lib(), prog._fast, dev._compute_queue
     assert fast is not None

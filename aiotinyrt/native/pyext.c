@@ -284,9 +284,9 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) 
 
 /* Program.__call__ in C: install(Program, call_py, capturing) puts a method descriptor for
    prog_call on the class. A call without keywords (or with `vals=` alone), outside a capture, of
-   a program whose `_fast`
-   is set ((queue, timeline, by_bufs, queue address)) goes straight to launch_impl; anything
-   else (and a launch_impl that declines) calls `call_py(self, *args, **kwargs)`, the Python
+   a program whose `_fast` is set goes straight to launch_impl ((queue, timeline, by_bufs, queue
+   address): a host-run native queue) or cl_launch_impl (a CL program's 7-tuple, clfast.c);
+   anything else (and a launch they decline) calls `call_py(self, *args, **kwargs)`, the Python
    implementation, unchanged. This saves the Python frame of __call__ on every repeat launch. */
 static PyObject *call_py, *capturing_var, *vals_key, *s_vals;
 
@@ -311,7 +311,12 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_XDECREF(capturing);
         PyObject *fast = idle ? SLOT(self, off_p_fast) : NULL;  /* (self: a Program, by the descriptor) */
         Py_XINCREF(fast);
-        if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 7) {  /* a CL program */
+        /* a host-run native queue's (queue, timeline, by_bufs, address), or a CL program's 7-tuple */
+        Py_ssize_t kind = fast && PyTuple_CheckExact(fast) ? PyTuple_GET_SIZE(fast) : 0;
+        hq_t *q = NULL;
+        if (kind == 4 && PyDict_CheckExact(PyTuple_GET_ITEM(fast, 2)))
+            q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
+        if (q || kind == 7) {
             PyObject *bufs = PyTuple_New(nargs), *sig = NULL, *key = NULL;
             if (bufs) {
                 for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -320,47 +325,24 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 }
                 key = nkw ? PyTuple_Pack(3, vals_key, bufs, args[nargs]) : (Py_INCREF(bufs), bufs);
             }
-            if (key) sig = cl_launch_impl(self, key, bufs, fast);
-            Py_XDECREF(key);
-            Py_XDECREF(bufs);
-            Py_DECREF(fast);
-            if (sig == NULL) {
-                if (PyErr_Occurred()) return NULL;
-            } else if (sig != Py_None) {
-                return sig;
-            } else {
-                Py_DECREF(sig);
-            }
-        } else if (fast && PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 4 &&
-            PyDict_CheckExact(PyTuple_GET_ITEM(fast, 2))) {
-            hq_t *q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
-            PyObject *bufs = q ? PyTuple_New(nargs) : NULL;
-            PyObject *sig = NULL;
-            PyObject *key = NULL;
-            if (bufs) {
-                for (Py_ssize_t i = 0; i < nargs; i++) {
-                    Py_INCREF(args[i]);
-                    PyTuple_SET_ITEM(bufs, i, args[i]);
-                }
-                key = nkw ? PyTuple_Pack(3, vals_key, bufs, args[nargs]) : (Py_INCREF(bufs), bufs);
-            }
-            if (key) {
+            if (key && q) {
                 sig = launch_impl(key, bufs, PyTuple_GET_ITEM(fast, 2), PyTuple_GET_ITEM(fast, 1),
                                   PyTuple_GET_ITEM(fast, 0), q);
+            } else if (key) {
+                sig = cl_launch_impl(self, key, bufs, fast);
             }
             Py_XDECREF(key);
             Py_XDECREF(bufs);
-            Py_DECREF(fast);
             if (sig == NULL) {
-                if (PyErr_Occurred()) return NULL;
+                if (PyErr_Occurred()) { Py_DECREF(fast); return NULL; }
             } else if (sig != Py_None) {
+                Py_DECREF(fast);
                 return sig;
             } else {
                 Py_DECREF(sig);
             }
-        } else {
-            Py_XDECREF(fast);
         }
+        Py_XDECREF(fast);
         if (PyErr_Occurred()) return NULL;
     }
     /* the Python implementation: call_py(self, *args, **kwargs) */
