@@ -243,28 +243,20 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     if (tag_c == -1 && PyErr_Occurred()) goto fail;
 
     /* The Signal and the Completion as DriverQueue.submit and _hand_over make them. */
-    Py_INCREF(timeline);
-    set_slot(sig, off_timeline, timeline);
-    Py_INCREF(value);
-    set_slot(sig, off_value, value);
-    Py_INCREF(Py_None);
-    set_slot(sig, off_error, Py_None);
-    Py_INCREF(float_zero);
-    set_slot(sig, off_elapsed, float_zero);
-    Py_INCREF(PyTuple_GET_ITEM(entry, 0));
-    set_slot(sig, off_fn, PyTuple_GET_ITEM(entry, 0));
-    Py_INCREF(args);
-    set_slot(sig, off_args, args);
-    Py_INCREF(empty_tuple);
-    set_slot(sig, off_deps, empty_tuple);
-    Py_INCREF(keep);
-    set_slot(sig, off_keep, keep);
-    Py_INCREF(dq);
-    set_slot(done, off_c_queue, dq);
-    Py_INCREF(value);
-    set_slot(done, off_c_value, value);
-    Py_INCREF(float_zero);
-    set_slot(done, off_c_start, float_zero);
+    const struct {
+        PyObject *obj;
+        Py_ssize_t off;
+        PyObject *value;
+    } fields[] = {
+        {sig, off_timeline, timeline},   {sig, off_value, value},       {sig, off_error, Py_None},
+        {sig, off_elapsed, float_zero},  {sig, off_fn, PyTuple_GET_ITEM(entry, 0)},
+        {sig, off_args, args},           {sig, off_deps, empty_tuple},  {sig, off_keep, keep},
+        {done, off_c_queue, dq},         {done, off_c_value, value},    {done, off_c_start, float_zero},
+    };
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        Py_INCREF(fields[i].value);
+        set_slot(fields[i].obj, fields[i].off, fields[i].value);
+    }
     Py_INCREF(tag);
     PyTuple_SET_ITEM(item, 0, tag);
     Py_INCREF(done);
