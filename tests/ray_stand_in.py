@@ -69,8 +69,10 @@ class StandIn:
         self._keys = itertools.count()
         self._held: dict[int, asyncio.Event] = {}
         self._paused: dict[int, asyncio.Event] = {}
-        #: a call and a kill of its host, from two threads, take turns: a call is either failed
-        #: by the kill or sees its host dead (never started on a host killed meanwhile)
+        #: a call's future is settled by exactly one side: the kill of its host, which takes
+        #: every future registered before it (under this lock), or the call's run, which
+        #: unregisters its future under this lock while the host is alive; a run never starts
+        #: the host's method once the host is dead
         self._calling = threading.Lock()
         self.calls: dict[str, int] = {}  #: actor calls per method name
         self.puts = 0  #: objects put
@@ -106,10 +108,9 @@ class StandIn:
                 event = waiting.pop(id(host), None)
                 if event is not None:
                     self.loop.call_soon_threadsafe(event.set)
-            pending = self._pending.pop(id(host), set())
+            pending = list(self._pending.pop(id(host), ()))  # (these are the kill's to fail)
         for fut in pending:
-            if not fut.done():
-                fut.set_exception(ActorDied(f"the actor {name} died"))
+            fut.set_exception(ActorDied(f"the actor {name} died"))
 
     def call(self, host: Host, method: str, args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
         """Run ``host.method(*args)`` on the hosts' loop; its future (the result copied)."""
@@ -125,24 +126,29 @@ class StandIn:
             return fut
 
         async def run() -> None:
-            if id(host) in self._dead:
-                return  # (killed before the call started: the kill fails it)
+            # (a host found dead here was killed after the call registered: the kill fails it)
             held = self._held.get(id(host))
-            if held is not None:
-                await held.wait()  # (never set: a held host's calls end when it is killed)
+            if id(host) in self._dead or held is not None:
+                if held is not None:
+                    await held.wait()  # (set only by the kill)
                 return
             paused = self._paused.get(id(host))
             if paused is not None and method == "run":
                 await paused.wait()
+                if id(host) in self._dead:
+                    return
             try:
                 result = _copy(await getattr(host, method)(*args))
             except Exception as exc:
                 error: Exception | None = exc
             else:
                 error = None
-            pending.discard(fut)
-            if fut.done() or id(host) in self._dead:
-                return  # (killed meanwhile: the kill fails it)
+            with self._calling:
+                killed = id(host) in self._dead  # (then the kill took this future)
+                if not killed:
+                    pending.discard(fut)
+            if killed:
+                return
             if error is None:
                 fut.set_result(result)
             else:

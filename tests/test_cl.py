@@ -313,13 +313,15 @@ async def test_a_command_the_completion_ring_refuses_fails_after_the_device_is_d
     await dev.reset()
     after = prog(out)
     await after.wait(timeout=30)  # (behind the refused command's barrier, had it stayed shut)
+    ahead: list[bool] = []
+    queue.submit(lambda: ahead.append(True), ())  # (the kernel below waits for it)
     monkeypatch.setattr(driver, "_native", _RingFull(driver._native))  # type: ignore[attr-defined]
     prog._by_bufs.clear()  # (the Python hand-over: tests/test_cl_fast.py has the C launch's)
     refused = prog(out)
     monkeypatch.undo()
-    assert refused.done()  # failed at once, having waited for the kernel
+    assert ahead  # the launch returned once its kernel ran, behind the Python command
     with pytest.raises(DeviceError, match="completion ring"):
-        await refused
+        await refused.wait(timeout=30)
     await dev.reset()
     assert (await out.numpy())[0] == 2 and not ran
     await out.free()
