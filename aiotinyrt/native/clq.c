@@ -63,16 +63,17 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
     if (!q) return NULL;
     q->cap = 1024;
     q->ring = malloc(q->cap * sizeof *q->ring);
-    if (!q->ring || pthread_mutex_init(&q->lock, NULL) != 0) {
+    pthread_condattr_t attr;
+    int ok = q->ring && pthread_condattr_init(&attr) == 0;
+    if (ok) { /* (clq_wait's timed waits count on the monotonic clock) */
+        ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&q->more, &attr) == 0;
+        pthread_condattr_destroy(&attr);
+    }
+    if (!ok || pthread_mutex_init(&q->lock, NULL) != 0) {
         free(q->ring);
         free(q);
         return NULL;
     }
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* (clq_wait's timed waits) */
-    pthread_cond_init(&q->more, &attr);
-    pthread_condattr_destroy(&attr);
     atomic_init(&q->wake, CLQ_NO_WAKE);
     atomic_init(&q->polling, 0);
     q->wait = (wait_fn)wait;
