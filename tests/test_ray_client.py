@@ -61,6 +61,14 @@ def _own_host(stand_in: StandIn, anyio_backend: Any, tag: str) -> str:
     return name
 
 
+def _own_device(stand_in: StandIn, anyio_backend: Any, tag: str) -> tuple[str, client.RAYDevice]:
+    """A host of this test's own (see :func:`_own_host`) and the device ``CPU:6`` on it."""
+    name = _own_host(stand_in, anyio_backend, tag)
+    dev = Device[f"RAY:{name}/CPU:6"]
+    assert isinstance(dev, client.RAYDevice)
+    return name, dev
+
+
 async def test_a_loop_turn_of_launches_is_one_call_and_runs_in_order(stand_in: StandIn) -> None:
     dev = Device["RAY:s1/CPU:6"]
     prog = await dev.program("add1", ADD_SRC)
@@ -172,8 +180,7 @@ async def test_a_failing_command_names_the_host_and_is_sticky_until_reset(stand_
 async def test_a_killed_host_fails_pending_work_until_reset_reconnects(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = _own_host(stand_in, anyio_backend, "k")
-    dev = Device[f"RAY:{name}/CPU:6"]
+    name, dev = _own_device(stand_in, anyio_backend, "k")
     prog = await dev.program("add1", ADD_SRC)
     a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     stand_in.hold(name)
@@ -342,8 +349,7 @@ async def test_copyin_pieces_left_when_their_loop_ends_still_reach_the_host(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
 ) -> None:
     monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
-    name = _own_host(stand_in, anyio_backend, "gap")  # (a host of its own: a gap would stall its stream)
-    dev = Device[f"RAY:{name}/CPU:6"]
+    _, dev = _own_device(stand_in, anyio_backend, "gap")  # (its own host: a gap would stall its stream)
     nbytes = 4 * 96 * 1024 + 100  # (five pieces)
     x = np.random.default_rng(8).integers(0, 256, nbytes, dtype=np.uint8)
     buf = await Buffer(dev.name, nbytes, dtypes.uint8).allocate()
@@ -357,8 +363,7 @@ async def test_copyin_pieces_left_when_their_loop_ends_still_reach_the_host(
 
 
 async def test_a_flush_left_when_its_loop_ends_is_still_sent(stand_in: StandIn, anyio_backend: Any) -> None:
-    name = _own_host(stand_in, anyio_backend, "flush")
-    dev = Device[f"RAY:{name}/CPU:6"]
+    _, dev = _own_device(stand_in, anyio_backend, "flush")
     prog = await dev.program("add1", ADD_SRC)
     a = await filled_buffer(dev.name, np.zeros(N, np.int32))
     sigs: list[Any] = []
@@ -404,9 +409,7 @@ async def test_a_program_failing_to_load_on_the_host_fails_its_launches_clearly(
 async def test_statistics_come_after_the_commands_queued_before(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = _own_host(stand_in, anyio_backend, "stats")
-    dev = Device[f"RAY:{name}/CPU:6"]
-    assert isinstance(dev, client.RAYDevice)
+    name, dev = _own_device(stand_in, anyio_backend, "stats")
     before = (await dev.statistics())["bytes_in_use"]
     stand_in.pause(name)  # (batches wait on the host; a direct call would not)
     bufs = [await Buffer(dev.name, N, dtypes.int32).allocate() for _ in range(3)]
@@ -428,9 +431,7 @@ async def test_statistics_come_after_the_commands_queued_before(
 async def test_close_releases_buffers_whose_allocation_is_still_queued(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = _own_host(stand_in, anyio_backend, "close")
-    dev = Device[f"RAY:{name}/CPU:6"]
-    assert isinstance(dev, client.RAYDevice)
+    name, dev = _own_device(stand_in, anyio_backend, "close")
     before = (await dev.statistics())["bytes_in_use"]
     stand_in.pause(name)
     await Buffer(dev.name, N, dtypes.int32).allocate()  # (never freed: closing releases it)
@@ -529,9 +530,7 @@ async def test_an_allocation_error_not_built_from_its_message_fails_only_that_bu
 async def test_closing_a_device_releases_none_of_a_reopened_devices_buffers(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = _own_host(stand_in, anyio_backend, "reopen")
-    first = Device[f"RAY:{name}/CPU:6"]
-    assert isinstance(first, client.RAYDevice)
+    name, first = _own_device(stand_in, anyio_backend, "reopen")
     await filled_buffer(first.name, np.ones(64, np.uint8))
     # what aclose does first: shut down and unregister; another task reopens the name meanwhile
     first._shutdown(drop_queued=True, join_timeout=None, free_cache=False)
@@ -568,8 +567,7 @@ async def test_a_reply_raising_on_the_sender_thread_leaves_the_stream_going(stan
 async def test_the_first_reset_after_an_unnoticed_host_death_reconnects(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:
-    name = _own_host(stand_in, anyio_backend, "quiet")
-    dev = Device[f"RAY:{name}/CPU:6"]
+    name, dev = _own_device(stand_in, anyio_backend, "quiet")
     await filled_buffer(dev.name, np.ones(64, np.uint8))
     stand_in.kill(name)  # (nothing in flight: nothing notices)
     stand_in.start(name)
@@ -673,8 +671,7 @@ async def test_a_large_copy_has_at_most_two_pieces_in_the_store(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, into: bool
 ) -> None:
     monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
-    name = _own_host(stand_in, anyio_backend, f"window-{into}")
-    dev = Device[f"RAY:{name}/CPU:6"]
+    name, dev = _own_device(stand_in, anyio_backend, f"window-{into}")
     nbytes = 6 * 96 * 1024  # (six pieces)
     x = np.random.default_rng(9).integers(0, 256, nbytes, dtype=np.uint8)
     buf = await filled_buffer(dev.name, x if not into else np.zeros(nbytes, np.uint8))
