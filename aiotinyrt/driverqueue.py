@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from aiotinyrt import recorder
+from aiotinyrt import native, recorder
 from aiotinyrt.helpers import debug_level, fmt_time, get_logger
 from aiotinyrt.queue import QueueOwner, describe
 from aiotinyrt.signal import DeviceError, Signal, Timeline, dependency_failed, when_all_done
@@ -115,7 +115,12 @@ class Driver(Protocol):
         A driver may also offer ``counters``: the queue's timeline then keeps its counters
         there (the fields of ``signal._PyState``), so the driver sees ``wake_at``, the smallest
         value anyone waits for, change. A driver that holds completions back to report them in
-        larger batches must report at once while ``wake_at`` is set."""
+        larger batches must report at once while ``wake_at`` is set.
+
+        A driver that holds commands back from its device (to hand them over in batches) must
+        offer ``expedite()``, called when a command of another queue is handed over with one of
+        its events in the wait list: the held commands go to the device then, as they do when
+        ``wake_at`` is set."""
         ...
 
 
@@ -248,6 +253,9 @@ class DriverQueue:
                     pending.append(dep)
                 else:
                     found.append(event)
+                    expedite = None if other is None else getattr(other.driver, "expedite", None)
+                    if expedite is not None:  # (its batch goes to the device: this one waits)
+                        expedite()
             if pending:
                 return pending
             waits = found
@@ -382,6 +390,7 @@ class DriverQueue:
                 sig._elapsed = seconds
                 sig._error = error
                 if error is not None:
+                    native.track(sig)  # (a repeat launch's is untracked: clfast.c)
                     timeline._record_failure(sig.value, sig.value, error)
                 if debug >= 2:
                     _log.debug(

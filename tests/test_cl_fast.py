@@ -5,6 +5,7 @@ a completion ring that refuses the event)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -63,6 +64,7 @@ async def test_repeat_launches_are_made_in_c_and_leave_what_a_python_launch_leav
     calls = _PythonCalls(monkeypatch)
     sigs = [prog(out) for _ in range(200)]
     assert calls.n == 1 and len(prog._fast or ()) == 7
+    assert not any(gc.is_tracked(s) for s in sigs[1:])  # (pending: the collector skips them)
     last = sigs[-1]
     assert out._accesses == [(0, 4, last, True)] and last.timeline is queue.timeline
     assert [s.value for s in sigs] == list(range(ahead.value + 1, ahead.value + 201))
@@ -162,6 +164,7 @@ async def test_a_repeat_launch_the_completion_ring_refuses_fails_once_the_kernel
     assert ran and refused.value == ahead.value + 1  # (returned once its kernel ran)
     with pytest.raises(DeviceError, match="no memory for the completion ring"):
         await refused.wait(timeout=30)
+    assert gc.is_tracked(refused)  # (its error's traceback may lead back to it)
     await dev.reset()
     await prog(out)  # (the waiter drops the refused command's item)
     assert (await out.numpy())[0] == 3

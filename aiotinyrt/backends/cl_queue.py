@@ -18,6 +18,11 @@
   the reading of a batch are one C call (``clq_wait`` of :mod:`aiotinyrt.native`'s
   ``clq.c``, which keeps a reference of its own to each event handed over with ``clq_push``);
   without it (``NATIVE_QUEUE=0``) the waiter makes those calls in Python.
+- **Batches** (the native ring only): a CL command enqueued while nobody waits for the queue
+  joins a batch held back by a gate of the ring's, set when somebody starts waiting for the
+  queue or ``CL_GATE_US`` (default 50) microseconds after the batch opened; PoCL's enqueue
+  costs several times more when it has to wake its workers for each command (clq.c tells the
+  whole rule). ``CL_GATE_US=0`` hands every command to the device at once.
 - Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
   before it reports, the DriverQueue its own when the command completed.
 """
@@ -36,6 +41,7 @@ from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.opencl import CLError, check, ffi
 from aiotinyrt.driverqueue import Completion, Done, report
 from aiotinyrt.graph import _join, _run_calls
+from aiotinyrt.helpers import getenv
 
 NULL = ffi.NULL
 Command = Callable[..., Any]
@@ -72,6 +78,9 @@ _ENTRY_POINTS = (
     "clRetainEvent",
     "clReleaseEvent",
 )
+
+
+_GATE_ENTRY_POINTS = ("clCreateUserEvent", "clSetUserEventStatus")
 
 
 def _event(event: Any) -> Any:
@@ -138,6 +147,7 @@ class CLQueue:
         self._events: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._native = native.load()  # (None: the waiter runs in Python)
         self._ring = None if self._native is None else _ring(self._native, cl)
+        self.gate(getenv("CL_GATE_US", 50))
         self._items: deque[tuple[int, Done, Run | None]] = deque()  # (tag, done, run) per event
         self._tag = 0  # the last tag handed to the ring
         #: the timeline's counters (the ring learns of waiters through them)
@@ -208,6 +218,27 @@ class CLQueue:
             if batch:
                 report(batch)
 
+    def gate(self, microseconds: int) -> None:
+        """Hold batches of commands nobody waits for at most ``microseconds`` (0: hand every
+        command to the device at once); see the module docstring. The open batch, if any, goes
+        to the device now."""
+        if self._ring is None:
+            return
+        cl = ocl.lib()
+        user, status = (cdata_address(ffi.addressof(cl, n)) for n in _GATE_ENTRY_POINTS)
+        context = native.ffi.cast("void *", cdata_address(self.context))
+        self._native.clq_gating(self._ring, context, user, status, max(0, microseconds) * 1000)
+
+    def gated(self) -> bool:
+        """Whether a batch waits for its gate now."""
+        return self._ring is not None and bool(self._native.clq_gated(self._ring))
+
+    def expedite(self) -> None:
+        """Hand the batch held back by its gate to the device now: a command of another queue
+        waits for one of its commands (see ``Driver.expedite``)."""
+        if self._ring is not None:
+            self._native.clq_open(self._ring)
+
     def close(self) -> None:
         """Stop the waiter thread after the events handed to it."""
         if self._ring is not None:
@@ -228,7 +259,12 @@ class CLQueue:
 
     def enqueue(self, fn: Command, args: tuple[Any, ...], waits: Sequence[Any], done: Done) -> Any:
         """Enqueue ``fn`` after ``waits``; the waiter thread calls ``done``."""
-        cl, n = ocl.lib(), len(waits)
+        cl = ocl.lib()
+        gate = native.ffi.NULL if self._ring is None else self._native.clq_gate(self._ring)
+        if gate != native.ffi.NULL:  # (it opens a batch: see the docstring)
+            address = int(native.ffi.cast("uintptr_t", gate))
+            waits = [*waits, ffi.gc(ffi.cast("cl_event", address), cl.clReleaseEvent)]
+        n = len(waits)
         wl = ffi.new("cl_event[]", [_event(w) for w in waits]) if n else NULL
         if getattr(fn, "cl_command", False):
             event = fn(self.queue, n, wl, *args)

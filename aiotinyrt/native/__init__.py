@@ -352,6 +352,14 @@ def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) ->
     return event_type
 
 
+def track(obj: object) -> None:
+    """Hand ``obj`` back to the cyclic garbage collector, if the extension module's repeat
+    launch made it untracked (a Signal that now holds an error); nothing otherwise."""
+    module = _module()
+    if module is not None:
+        module.track(obj)
+
+
 def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any, vals_key: object) -> bool:
     """Make ``program_type.__call__`` the extension module's C function, which runs the repeat
     launch itself and hands every other call to ``call_py`` unchanged; False (nothing done)

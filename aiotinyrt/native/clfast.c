@@ -3,10 +3,11 @@
    A launch of a CL program with the buffers of a launch remembered by Program._remember, each
    holding the same memory and last touched by the program's queue only, while the kernel's
    arguments are still set to them, needs no hazard, no wait list and no clSetKernelArg: it is
-   one clEnqueueNDRangeKernel, the event handed to the queue's completion ring (clq.c), and the
-   DriverQueue's record of one command. cl_launch_impl() does exactly what DriverQueue.submit,
-   CLQueue.enqueue and CLProgram._enqueue do for such a launch, on the same Python state, with
-   the GIL held throughout (the Python path costs ~12 us per launch, and each of its cffi calls
+   one clEnqueueNDRangeKernel (waiting for the ring's gate when it opens a batch), the event
+   handed to the queue's completion ring (clq.c), and the DriverQueue's record of one command.
+   cl_launch_impl() does exactly what DriverQueue.submit, CLQueue.enqueue and
+   CLProgram._enqueue do for such a launch, on the same Python state, with the GIL held
+   throughout (the Python path costs ~12 us per launch, and each of its cffi calls
    lets go of the GIL the queue's waiter thread is asking for).
 
    It declines (returns None, having changed nothing: Python launches it) whenever those would
@@ -219,6 +220,16 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     if (event) event->event = NULL;
     int locked = 0, prog_locked = 0, inserted = 0, advanced = 0, r;
     if (!keep || !sig || !done || !item || !event) goto fail;
+    /* None of them is ever looked at by the cyclic collector: they live while their command is
+       pending, thousands at once in a pipeline, and each collection of the older generations
+       would walk them all (that was a third of a launch). The only cycles through them (the
+       Signal's buffers recording it as their writer, the waiter's item and the queue) are
+       broken when the command completes (DriverQueue clears the Signal's command and tracks
+       it again should it hold an error, whose traceback may lead back to it). */
+    PyObject_GC_UnTrack(keep);
+    PyObject_GC_UnTrack(sig);
+    PyObject_GC_UnTrack(done);
+    PyObject_GC_UnTrack(item);
     if (!(submit_lock = PyObject_GetAttr(dq, s_submit_lock)) || !(prog_lock = PyObject_GetAttr(prog, s_lock)))
         goto fail;
     if ((r = try_acquire(submit_lock)) <= 0) goto decline_or_fail;
@@ -273,8 +284,10 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     Py_DECREF(appended);
     if (PyObject_SetAttr(driver, s_tag, tag) < 0 || PyObject_SetAttr(dq, s_next, next) < 0) goto fail;
     advanced = 1;
-    void *ev = NULL;
-    if (cl_enqueue(cq, kernel, 3, NULL, gsz, lsz, 0, NULL, &ev) != 0) goto decline_or_fail;
+    void *ev = NULL, *gate = clq_gate(ring); /* (a batch's first command waits for its gate) */
+    cl_int code = cl_enqueue(cq, kernel, 3, NULL, gsz, lsz, gate ? 1 : 0, gate ? &gate : NULL, &ev);
+    if (gate) cl_release(gate);
+    if (code != 0) goto decline_or_fail;
 
     /* Enqueued: the command is the queue's from here on. */
     event->event = ev;

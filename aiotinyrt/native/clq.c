@@ -7,6 +7,18 @@
    the whole batch to Python in one call. Done in Python, those are three or four calls per event
    that each release and retake the GIL, which the submitting thread needs at the same moment.
 
+   Gates (clq_gating, clq_gate). PoCL's enqueue costs ~1 us while its workers have work, and
+   4-8 us when they sleep: each enqueue then wakes them. A queue fed one command at a time
+   slower than the device runs them has its workers asleep at nearly every enqueue. With gating
+   on, a command enqueued while nobody waits for the queue joins a batch: the batch's first
+   command waits for a user event of the ring's (its gate), the later ones follow it in the
+   in-order queue, and the gate is set (one wake-up of the workers for the batch) when a
+   caller starts waiting for any command of the queue (clq_set_wake), a command of another
+   queue waits for one of the batch (clq_open), the batch is `gate_ns` old (the waiter thread
+   times it; the next enqueue does too), or the queue closes. A command enqueued while
+   somebody waits, or while the waiter is inside the driver's wait for an older command (it
+   could not time a gate then; the device has work), goes to the device at once.
+
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
 #include <pthread.h>
@@ -32,6 +44,8 @@ typedef void *cl_event;
 typedef cl_int (*wait_fn)(cl_uint, const cl_event *);
 typedef cl_int (*info_fn)(cl_event, cl_uint, size_t, void *, size_t *);
 typedef cl_int (*ref_fn)(cl_event);
+typedef cl_event (*user_fn)(void *, cl_int *);
+typedef cl_int (*status_fn)(cl_event, cl_int);
 
 struct slot {
     cl_event event;
@@ -51,6 +65,18 @@ struct clq {
        sees it polling and signals under the lock (which the waiter holds until it sleeps). */
     _Atomic int polling;
     _Atomic int64_t wake;
+    int idle;    /* the waiter waits (untimed) for an event to be handed over: a push wakes it */
+    int blocked; /* the waiter is inside the driver's wait: it cannot time a gate */
+    struct timespec until; /* the end of the waiter's timed wait, while `polling` */
+    /* The open batch's gate (NULL: none; see the top of the file), set at gate_due at the
+       latest; `gated` tells clq_set_wake without the lock that there is one. */
+    cl_event gate;
+    struct timespec gate_due;
+    _Atomic int gated;
+    long gate_ns; /* 0: no gating */
+    void *context;
+    user_fn create_user;
+    status_fn set_status;
     pid_t pid; /* the process that made it */
     wait_fn wait;
     info_fn event_info, profiling_info;
@@ -85,6 +111,29 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
     return q;
 }
 
+/* Set the open batch's gate, if there is one (caller holds the lock). */
+static void clq_open_locked(clq_t *q) {
+    cl_event g = q->gate;
+    if (!g) return;
+    q->gate = NULL;
+    atomic_store(&q->gated, 0);
+    q->set_status(g, 0 /* CL_COMPLETE */);
+    q->release(g);
+}
+
+/* Gate batches of commands enqueued while nobody waits (see the top of the file): `context`
+   the queue's cl_context, `create_user` and `set_status` clCreateUserEvent and
+   clSetUserEventStatus, a batch held `ns` nanoseconds at most (0: gating off). */
+void clq_gating(clq_t *q, void *context, uintptr_t create_user, uintptr_t set_status, long ns) {
+    pthread_mutex_lock(&q->lock);
+    clq_open_locked(q);
+    q->context = context;
+    q->create_user = (user_fn)create_user;
+    q->set_status = (status_fn)set_status;
+    q->gate_ns = create_user && set_status && ns > 0 ? ns : 0;
+    pthread_mutex_unlock(&q->lock);
+}
+
 /* Free the ring and release the events it still holds. In a forked child (the parent's waiter
    thread and the driver's threads are gone) nothing is released: only the memory is freed, and
    the mutex and condition variable are never destroyed (a condition variable whose waiter was
@@ -92,8 +141,10 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
    resource). */
 void clq_free(clq_t *q) {
     if (!q) return;
-    if (q->pid == getpid())
+    if (q->pid == getpid()) {
+        clq_open_locked(q);
         for (size_t i = 0; i < q->count; i++) q->release(q->ring[(q->head + i) % q->cap].event);
+    }
     free(q->ring);
     free(q);
 }
@@ -120,7 +171,8 @@ int clq_push(clq_t *q, void *event, int64_t tag, int urgent) {
     if (out == 0) {
         q->retain(event);
         q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag, urgent};
-        if (q->count++ == 0) pthread_cond_signal(&q->more);
+        q->count++;
+        if (q->idle) pthread_cond_signal(&q->more); /* (a waiter in a timed wait looks by itself) */
     }
     pthread_mutex_unlock(&q->lock);
     return out;
@@ -143,6 +195,50 @@ static void clq_after(struct timespec *t, long ns) {
 
 static int clq_before(const struct timespec *a, const struct timespec *b) {
     return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
+}
+
+/* Call before enqueuing a command: the gate it must wait for (put it in its wait list, then
+   release it: the ring keeps its own reference), when it opens a batch; NULL when it joins the
+   open batch (the in-order queue puts it behind the batch's first command), or goes to the
+   device at once (somebody waits for the queue, gating is off or failed, the queue closed).
+   The caller serializes its calls with its pushes (its submit lock). */
+void *clq_gate(clq_t *q) {
+    if (!q->gate_ns || q->pid != getpid()) return NULL;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    cl_event out = NULL;
+    pthread_mutex_lock(&q->lock);
+    if (q->gate && clq_before(&now, &q->gate_due) && !q->closed) {
+        /* it joins the open batch (a caller that started waiting meanwhile set its gate) */
+    } else {
+        clq_open_locked(q);
+        cl_int err = 0;
+        int now_please = q->closed || q->blocked || atomic_load(&q->wake) != CLQ_NO_WAKE;
+        cl_event g = now_please ? NULL : q->create_user(q->context, &err);
+        if (g && err != 0) g = NULL;
+        if (g) {
+            q->gate = g;
+            q->gate_due = now;
+            q->gate_due.tv_nsec += q->gate_ns;
+            while (q->gate_due.tv_nsec >= 1000000000L) {
+                q->gate_due.tv_sec += 1;
+                q->gate_due.tv_nsec -= 1000000000L;
+            }
+            /* (stored, then `wake` loaded: a caller that started waiting meanwhile either sees
+               the gate in clq_set_wake or is seen here) */
+            atomic_store(&q->gated, 1);
+            if (atomic_load(&q->wake) != CLQ_NO_WAKE) {
+                clq_open_locked(q);
+            } else {
+                q->retain(g); /* (the caller's, until its enqueue read the wait list) */
+                out = g;
+                if (q->idle || (atomic_load(&q->polling) && clq_before(&q->gate_due, &q->until)))
+                    pthread_cond_signal(&q->more); /* (the waiter times the gate) */
+            }
+        }
+    }
+    pthread_mutex_unlock(&q->lock);
+    return out;
 }
 
 /* Read `ev`'s outcome into *status and *seconds: 1 if it completed (or reading it failed),
@@ -185,15 +281,35 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
     pthread_mutex_lock(&q->lock);
     for (;;) {
         if (done == 0) {
-            while (q->count == 0 && !q->closed) pthread_cond_wait(&q->more, &q->lock);
+            for (;;) { /* a batch's gate first (its commands cannot complete before it is set) */
+                if (q->gate) {
+                    clock_gettime(CLOCK_MONOTONIC, &next);
+                    if (q->closed || !clq_before(&next, &q->gate_due)) {
+                        clq_open_locked(q);
+                        continue;
+                    }
+                    atomic_store(&q->polling, 1); /* (clq_set_wake sets the gate and wakes it) */
+                    q->until = next = q->gate_due;
+                    pthread_cond_timedwait(&q->more, &q->lock, &next);
+                    atomic_store(&q->polling, 0);
+                } else if (q->count == 0 && !q->closed) {
+                    q->idle = 1;
+                    pthread_cond_wait(&q->more, &q->lock);
+                    q->idle = 0;
+                } else {
+                    break;
+                }
+            }
             if (q->count == 0) {
                 pthread_mutex_unlock(&q->lock);
                 return -1;
             }
             cl_event first = q->ring[q->head].event;
+            q->blocked = 1; /* (no gate opens while it waits: see clq_gate) */
             pthread_mutex_unlock(&q->lock);
             q->wait(1, &first); /* (a failure: the statuses below tell) */
             pthread_mutex_lock(&q->lock);
+            q->blocked = 0;
         }
         while (done < max && q->count > 0) { /* only this thread takes events: the prefix stays */
             struct slot s = q->ring[q->head];
@@ -223,8 +339,11 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
             atomic_store(&q->polling, 0);
             break;
         }
+        if (q->gate && !clq_before(&next, &q->gate_due)) clq_open_locked(q);
         clq_after(&next, CLQ_POLL_NS);
         if (clq_before(&due, &next)) next = due;
+        if (q->gate && clq_before(&q->gate_due, &next)) next = q->gate_due;
+        q->until = next;
         pthread_cond_timedwait(&q->more, &q->lock, &next);
         atomic_store(&q->polling, 0);
     }
@@ -236,17 +355,30 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
    returns what it took without holding it. Nothing in a forked child (no waiter runs there). */
 void clq_set_wake(clq_t *q, int64_t wake) {
     atomic_store(&q->wake, wake); /* (no lock: the submitting thread sets it per wait) */
-    if (wake == CLQ_NO_WAKE || !atomic_load(&q->polling)) return;
+    if (wake == CLQ_NO_WAKE || !(atomic_load(&q->polling) || atomic_load(&q->gated))) return;
     if (q->pid != getpid()) return; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
+    clq_open_locked(q); /* (the batch goes to the device: somebody waits) */
     pthread_cond_signal(&q->more);
     pthread_mutex_unlock(&q->lock);
 }
+
+/* Set the open batch's gate now (a command of another queue waits for one of its commands). */
+void clq_open(clq_t *q) {
+    if (!atomic_load(&q->gated) || q->pid != getpid()) return;
+    pthread_mutex_lock(&q->lock);
+    clq_open_locked(q);
+    pthread_mutex_unlock(&q->lock);
+}
+
+/* 1 while a batch waits for its gate (tests, statistics). */
+int clq_gated(clq_t *q) { return atomic_load(&q->gated); }
 
 /* No more events: clq_wait() returns -1 once it reported every event handed over. */
 void clq_close(clq_t *q) {
     pthread_mutex_lock(&q->lock);
     q->closed = 1;
+    clq_open_locked(q);
     pthread_cond_broadcast(&q->more);
     pthread_mutex_unlock(&q->lock);
 }

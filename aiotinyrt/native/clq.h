@@ -7,4 +7,8 @@ void clq_free(clq_t *q);
 int clq_push(clq_t *q, void *event, int64_t tag, int urgent);
 int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags);
 void clq_set_wake(clq_t *q, int64_t wake);
+void clq_gating(clq_t *q, void *context, uintptr_t create_user, uintptr_t set_status, long ns);
+void *clq_gate(clq_t *q);
+void clq_open(clq_t *q);
+int clq_gated(clq_t *q);
 void clq_close(clq_t *q);

@@ -379,7 +379,16 @@ static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
+/* track(obj): hand an object the repeat launch made untracked (clfast.c) back to the cyclic
+   collector; nothing for one it tracks already. */
+static PyObject *py_track(PyObject *self, PyObject *obj) {
+    (void)self;
+    if (PyObject_IS_GC(obj) && !PyObject_GC_IsTracked(obj)) PyObject_GC_Track(obj);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef hq_methods[] = {
+    {"track", py_track, METH_O, "track(obj)"},
     {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(q, kind, fn, n, args[, nd, deps])"},
     {"complete", (PyCFunction)(void (*)(void))py_complete, METH_FASTCALL, "complete(queue, value)"},
     {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, "install(Program, call, var, key)"},

@@ -1,0 +1,127 @@
+"""Batches of CL commands nobody waits for (aiotinyrt/native/clq.c, "Gates"): a command enqueued
+while nobody waits for its queue waits for the batch's gate; a task awaiting the queue, a
+command of another queue depending on one of the batch, or the batch's deadline hands it to
+the device; a command enqueued while somebody waits goes at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from aiotinyrt import Device
+from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.cl_queue import CLQueue, _event
+from aiotinyrt.backends.ops_cl import CLDevice, ffi
+from aiotinyrt.driverqueue import DriverQueue
+from tests.helpers import int_buffer
+
+pytestmark = pytest.mark.anyio
+
+INC = "__kernel void inc(__global int* out) { out[0] += 1; }"
+LONG_US = 60_000_000  # (a gate held this long: only what the test checks opens it)
+
+
+@pytest.fixture
+async def ring() -> AsyncIterator[tuple[CLDevice, DriverQueue, CLQueue]]:
+    """CL, its compute queue and that queue's driver, with batches held up to a minute (skipped
+    without the native ring); the default hold comes back afterwards."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    queue = dev._compute_queue
+    driver = queue.driver
+    assert isinstance(driver, CLQueue)
+    if driver._ring is None:
+        pytest.skip("NATIVE_QUEUE=0: no completion ring, so no gates")
+    await dev.synchronize()
+    driver.gate(LONG_US)
+    try:
+        yield dev, queue, driver
+    finally:
+        driver.gate(50)
+
+
+async def test_a_launch_nobody_waits_for_waits_for_its_gate_and_an_await_opens_it(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    dev, _, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    sig = prog(out)
+    assert driver.gated()  # (held: nobody waits for the queue)
+    with anyio.fail_after(20):  # (the gate holds a minute: only the await can open it)
+        await sig
+    assert not driver.gated()
+    assert (await out.numpy())[0] == 1
+    await out.free()
+
+
+async def test_a_command_of_another_queue_waiting_for_a_held_launch_opens_its_gate(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """The read runs on the copy queue, with the launch's event in its wait list; awaiting it
+    sets nothing on the compute queue."""
+    dev, _, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    prog(out)
+    assert driver.gated()
+    with anyio.fail_after(20):
+        assert (await out.numpy())[0] == 1
+    await out.free()
+
+
+async def test_a_batch_nobody_waits_for_goes_to_the_device_at_its_deadline(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """A thread waits for the launch's event through OpenCL alone (no waiter on the timeline):
+    the waiter thread sets the gate once the batch is as old as the hold."""
+    dev, queue, driver = ring
+    driver.gate(20_000)
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    sig = prog(out)
+    assert driver.gated()
+    event = _event(queue._events[sig.value])
+    events = ffi.new("cl_event[1]", [event])
+    ocl.lib().clRetainEvent(event)
+    try:
+        with anyio.fail_after(20):
+            await anyio.to_thread.run_sync(ocl.lib().clWaitForEvents, 1, events, abandon_on_cancel=True)
+    finally:
+        ocl.lib().clReleaseEvent(event)
+    assert queue.timeline.pending_waiters() == 0 and not driver.gated()
+    await sig
+    await out.free()
+
+
+async def test_a_launch_while_somebody_waits_for_the_queue_goes_to_the_device_at_once(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    dev, queue, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    go = threading.Event()
+    ahead = queue.submit(lambda: go.wait(60), ())
+    async with anyio.create_task_group() as tg:
+        waiting = anyio.Event()
+
+        async def wait_ahead() -> None:
+            waiting.set()
+            await ahead
+
+        tg.start_soon(wait_ahead)
+        await waiting.wait()
+        assert queue.timeline.pending_waiters() == 1
+        sig = prog(out)
+        assert not driver.gated()  # (somebody waits: no batch is held)
+        go.set()
+    with anyio.fail_after(20):
+        await sig
+    await out.free()
