@@ -120,7 +120,13 @@ class Driver(Protocol):
         A driver that holds commands back from its device (to hand them over in batches) must
         offer ``expedite()``, called when a command of another queue is handed over with one of
         its events in the wait list: the held commands go to the device then, as they do when
-        ``wake_at`` is set."""
+        ``wake_at`` is set.
+
+        A driver may offer ``poll(event)``: a brief wait, in the thread about to await a command,
+        for that command's event, reporting it (and what completed before it) from that thread
+        if it completes meanwhile; the queue's timeline then calls it before a task registers
+        a waiter (``Timeline.poll``). It must return promptly whatever happens: the thread is
+        an event loop's."""
         ...
 
 
@@ -167,6 +173,10 @@ class DriverQueue:
         self._enqueuing = 0  # the thread inside driver.enqueue (its ident), 0: none
         self._inline = False  # a hand-over completed a command: the submitter advances
         _BY_TIMELINE[id(self.timeline)] = self
+        #: the driver's ``poll``, if it offers one (see ``Driver.poll``)
+        self._driver_poll: Callable[[object], None] | None = getattr(driver, "poll", None)
+        if self._driver_poll is not None:
+            self.timeline.poll = self._poll
 
     def __repr__(self) -> str:
         return f"<DriverQueue {self.timeline.label} queued={self.queued()}>"
@@ -283,6 +293,13 @@ class DriverQueue:
             self._enqueuing = outer
         return ()
 
+    def _poll(self, value: int) -> None:
+        """The timeline's ``poll``: the driver's brief wait for command ``value`` in this
+        thread, when the driver has its event (see ``Driver.poll``)."""
+        event = self._events.get(value)  # (held here: the wait reads it)
+        if event is not None and self._driver_poll is not None:
+            self._driver_poll(event)
+
     def _flush(self) -> None:
         """Hand over held-back commands whose dependencies completed (any thread)."""
         pending: Sequence[Signal] = ()
@@ -390,7 +407,6 @@ class DriverQueue:
                 sig._elapsed = seconds
                 sig._error = error
                 if error is not None:
-                    native.track(sig)  # (a repeat launch's is untracked: clfast.c)
                     timeline._record_failure(sig.value, sig.value, error)
                 if debug >= 2:
                     _log.debug(
@@ -402,6 +418,9 @@ class DriverQueue:
                     )
                 sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
             if taken:
+                # (a repeat launch's Signal is untracked while pending, clfast.c: once it
+                # completed, its error or a frame holding it may lead back to it)
+                native.track([t[0] for t in taken])
                 timeline.advance(taken[-1][0].value)
             if late:
                 when_all_done(late, self._advance, after=True)

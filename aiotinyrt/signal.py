@@ -152,6 +152,7 @@ class Timeline:
         "_seq",
         "device",
         "name",
+        "poll",
     )
 
     def __init__(self, device: str, name: str, lib: Any = None, state: Any = None) -> None:
@@ -179,6 +180,9 @@ class Timeline:
         #: memory used by commands from it on is never released
         self._abandoned = ABANDONED_NEVER
         self._generation = fork_generation()  # the process (by fork generation) that runs it
+        #: a driver-run queue's brief wait for command ``value`` in the awaiting thread, which
+        #: completes it there if it completes meanwhile (``Driver.poll``); None: no such wait
+        self.poll: Callable[[int], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Timeline {self.device}/{self.name} completed={self.completed} submitted={self.submitted}>"
@@ -478,6 +482,8 @@ class Signal:
     async def _settle(self, timeout: float | None = None) -> None:
         """Wait until done without raising the command's error (see :meth:`wait`)."""
         timeline, value = self.timeline, self.value
+        if timeline.completed < value and timeline.poll is not None:
+            timeline.poll(value)  # (a driver-run queue: see Timeline.poll)
         if timeline.completed < value and timeline._lib is not None and _POLL_S > 0:
             # A native command just submitted to an awake worker is often done a few
             # microseconds later; polling that long (the worker needs no GIL) is far cheaper

@@ -141,6 +141,15 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
         await prog(buf)
     s.add("aiotinyrt|round trip (us)", (time.perf_counter() - t) / m * 1e6)
     s.add("aiotinyrt|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
+    driver = dev._compute_queue.driver
+    budget, driver._poll_ns = driver._poll_ns, 0  # (CL_POLL_US=0: the waiter thread reports)
+    try:
+        t = time.perf_counter()
+        for _ in range(m):
+            await prog(buf)
+        s.add("aiotinyrt|round trip, no poll: the waiter reports (us)", (time.perf_counter() - t) / m * 1e6)
+    finally:
+        driver._poll_ns = budget
     await hop_rows(s, prog, buf, m)
     await batch_rows(s, dev, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
@@ -164,13 +173,16 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
 
 
 async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
-    """A round trip in two halves (medians of m): from the launch to the waiter thread's report
-    of its completion, and from the report to the awaiting task running again."""
+    """A round trip in two halves (medians of m): from the launch to the report of its
+    completion, and from the report to the awaiting task running again; and how many of the
+    reports the awaiting thread made itself (its poll, CLQueue.poll)."""
     reported = [0.0]
     report = cl_queue.report
+    here, by_awaiter = threading.get_ident(), [0]
 
     def stamped(batch: Any) -> None:
         reported[0] = time.perf_counter()
+        by_awaiter[0] += threading.get_ident() == here
         report(batch)
 
     cl_queue.report = stamped  # type: ignore[assignment]
@@ -183,8 +195,9 @@ async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
             to_task.append(time.perf_counter() - reported[0])
     finally:
         cl_queue.report = report
-    s.add("aiotinyrt|round trip: launch to the waiter's report (us)", statistics.median(to_report) * 1e6)
+    s.add("aiotinyrt|round trip: launch to the report (us)", statistics.median(to_report) * 1e6)
     s.add("aiotinyrt|round trip: the report to the task running (us)", statistics.median(to_task) * 1e6)
+    s.add("aiotinyrt|round trip: reported by the awaiting thread (%)", by_awaiter[0] / m * 100)
 
 
 async def batch_rows(s: Samples, dev: Any, prog: Any, buf: Buffer, n: int) -> None:

@@ -15,6 +15,7 @@ import pytest
 from aiotinyrt import Device, DeviceError, native
 from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
+from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
 from aiotinyrt.program import Program
 from tests.helpers import int_buffer
@@ -76,7 +77,22 @@ async def test_repeat_launches_are_made_in_c_and_leave_what_a_python_launch_leav
     await read
     assert host[0] == 200 and all(s.done() and not s.failed() for s in sigs) and await last >= 0.0
     assert queue._commands == {} and queue._events == {}
+    assert all(gc.is_tracked(s) for s in sigs)  # (completed: a frame or an error may hold them)
     await out.free()
+
+
+def test_a_closed_queue_drops_the_items_whose_events_never_reached_its_ring() -> None:
+    """A command whose hand-over failed after its item was queued leaves the item behind (and
+    with it the queue, through its Completion); closing the queue drops it."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    driver = CLQueue("stale", dev.context, dev.device_id)
+    if driver._ring is None:
+        pytest.skip("NATIVE_QUEUE=0: no completion ring, so no items")
+    driver._items.append((1, lambda seconds, error: None, None))  # (its event never came)
+    driver.close()
+    driver._waiter.join(30)
+    assert not driver._waiter.is_alive() and not driver._items
 
 
 async def test_a_launch_with_other_arguments_goes_to_python_and_sets_them(

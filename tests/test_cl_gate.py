@@ -75,6 +75,24 @@ async def test_a_command_of_another_queue_waiting_for_a_held_launch_opens_its_ga
     await out.free()
 
 
+async def test_a_command_of_another_queue_opens_a_gate_the_waiter_is_timing(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """The batch starts with a Python command, which only the waiter thread can run: the read
+    waiting for the launch behind it must wake the waiter, which times the minute's gate."""
+    dev, queue, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    ahead = queue.submit(lambda: None, ())
+    prog(out)
+    assert driver.gated()
+    with anyio.fail_after(20):
+        assert (await out.numpy())[0] == 1
+    assert ahead.done()
+    await out.free()
+
+
 async def test_a_batch_nobody_waits_for_goes_to_the_device_at_its_deadline(
     ring: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:

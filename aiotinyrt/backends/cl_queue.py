@@ -150,6 +150,11 @@ class CLQueue:
         self.gate(getenv("CL_GATE_US", 50))
         self._items: deque[tuple[int, Done, Run | None]] = deque()  # (tag, done, run) per event
         self._tag = 0  # the last tag handed to the ring
+        #: how long :meth:`poll` waits for a command (nanoseconds), and the arrays it reads into
+        #: (one set: the loop threads that poll take turns on the ring's token)
+        self._poll_ns = max(0, getenv("CL_POLL_US", 50)) * 1000
+        nffi = native.ffi
+        self._poll_out = (nffi.new("int32_t[256]"), nffi.new("double[256]"), nffi.new("int64_t[256]"))
         #: the timeline's counters (the ring learns of waiters through them)
         self.counters = None if self._ring is None else _RingCounters(self._native, self._ring)
         wait = self._wait if self._ring is None else self._wait_ring
@@ -197,9 +202,19 @@ class CLQueue:
         the batch's commands are ``_items``' first ones, in the same order, matched by tag (an
         item whose event never reached the ring, its command failed by the exception that
         stopped the hand-over, is dropped)."""
-        ring, items, lib, nffi = self._ring, self._items, self._native, native.ffi
+        ring, lib, nffi = self._ring, self._native, native.ffi
         status, seconds, tags = nffi.new("int32_t[256]"), nffi.new("double[256]"), nffi.new("int64_t[256]")
         while (n := lib.clq_wait(ring, 256, status, seconds, tags)) >= 0:
+            if n:
+                self._report_taken(n, status, seconds, tags)
+        self._items.clear()  # (commands whose events never reached the ring: already failed)
+
+    def _report_taken(self, n: int, status: Any, seconds: Any, tags: Any) -> None:
+        """Report the ``n`` events a ``clq_wait`` or ``clq_poll`` call took (their statuses,
+        times and tags), running the Python commands among them, then give the ring's token
+        back (see clq.c, "Two takers")."""
+        items = self._items
+        try:
             batch: list[tuple[Done, float, BaseException | None]] = []
             for i in range(n):
                 while items[0][0] != tags[i]:
@@ -217,6 +232,21 @@ class CLQueue:
                     batch.append((done, seconds[i], error))
             if batch:
                 report(batch)
+        finally:
+            self._native.clq_reported(self._ring)
+
+    def poll(self, event: Any) -> None:
+        """Wait briefly in the calling thread (``CL_POLL_US``, GIL released) for ``event``, a
+        command's event of this queue that the caller keeps alive, and report it and the
+        completed commands before it from this thread if it completes meanwhile (clq.c, "Two
+        takers"); nothing without the native ring or when the waiter thread reports it."""
+        if self._ring is None or self._poll_ns <= 0:
+            return
+        status, seconds, tags = self._poll_out
+        address = native.ffi.cast("void *", cdata_address(_event(event)))
+        n = self._native.clq_poll(self._ring, address, self._poll_ns, 256, status, seconds, tags)
+        if n:
+            self._report_taken(n, status, seconds, tags)
 
     def gate(self, microseconds: int) -> None:
         """Hold batches of commands nobody waits for at most ``microseconds`` (0: hand every
@@ -254,6 +284,7 @@ class CLQueue:
         self._items.append((tag, done, run))  # (before the ring has the event: the waiter pops it)
         if self._native.clq_push(self._ring, event, tag, run is not None) != 0:
             # the command is enqueued: it fails, but only once the device is done with its memory
+            self._native.clq_open(self._ring)  # (its batch goes to the device)
             ocl.lib().clWaitForEvents(1, ffi.new("cl_event[1]", [event]))
             raise MemoryError(f"{self.name}: no memory for the completion ring (or the queue is closed)")
 

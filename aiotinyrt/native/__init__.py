@@ -352,12 +352,12 @@ def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) ->
     return event_type
 
 
-def track(obj: object) -> None:
-    """Hand ``obj`` back to the cyclic garbage collector, if the extension module's repeat
-    launch made it untracked (a Signal that now holds an error); nothing otherwise."""
+def track(objs: list[Any]) -> None:
+    """Hand each of ``objs`` back to the cyclic garbage collector, if the extension module's
+    repeat launch made it untracked (its Signals, once they completed); nothing otherwise."""
     module = _module()
     if module is not None:
-        module.track(obj)
+        module.track(objs)
 
 
 def install_call(program_type: type, call_py: Callable[..., Any], capturing: Any, vals_key: object) -> bool:

@@ -225,7 +225,8 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
        would walk them all (that was a third of a launch). The only cycles through them (the
        Signal's buffers recording it as their writer, the waiter's item and the queue) are
        broken when the command completes (DriverQueue clears the Signal's command and tracks
-       it again should it hold an error, whose traceback may lead back to it). */
+       it again: its error's traceback, or a frame holding it, may lead back to it; the waiter
+       drops the items it did not report when the queue closes). */
     PyObject_GC_UnTrack(keep);
     PyObject_GC_UnTrack(sig);
     PyObject_GC_UnTrack(done);
@@ -295,8 +296,10 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     int refused = ev == NULL || clq_push(ring, ev, tag_c, 0) != 0;
     if (refused) {
         if (ev) { /* it fails, but only once the device is done with its memory; the GIL goes
-                     meanwhile (the kernel may wait for a Python command the waiter runs) */
+                     meanwhile (the kernel may wait for a Python command the waiter runs), and
+                     its batch goes to the device */
             Py_BEGIN_ALLOW_THREADS
+            clq_open(ring);
             cl_wait(1, &ev);
             Py_END_ALLOW_THREADS
         }

@@ -19,6 +19,16 @@
    somebody waits, or while the waiter is inside the driver's wait for an older command (it
    could not time a gate then; the device has work), goes to the device at once.
 
+   Two takers (clq_poll). A caller about to wait for a command it just submitted (the loop
+   thread's `await` of a launch on an idle queue) may wait for it itself, briefly: it spins on
+   the command's event in clq_poll() and takes the completed prefix, as clq_wait() does, so
+   the result reaches it without the two hand-overs between threads (driver to waiter, waiter
+   to loop) that cost more than the kernel. Whoever takes events holds the ring's token
+   (`taking`) until its caller has reported them (clq_reported), so the takers' reports and
+   the caller's per-command records stay in ring order; a waiting poller has priority (the
+   waiter ends a hold for it and leaves the events it woke for to it), and clq_poll takes no
+   urgent event (a Python command runs on the waiter).
+
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
 #include <pthread.h>
@@ -56,6 +66,9 @@ struct slot {
 struct clq {
     pthread_mutex_t lock;
     pthread_cond_t more;
+    pthread_cond_t token; /* `taking` and `poller` went to 0 */
+    int taking;           /* a taker holds the token (see the top of the file) */
+    int poller;           /* a clq_poll() caller waits for the token or its event */
     struct slot *ring; /* a circular buffer of cap slots: count events from head */
     size_t cap, head, count;
     int closed;
@@ -92,7 +105,8 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
     pthread_condattr_t attr;
     int ok = q->ring && pthread_condattr_init(&attr) == 0;
     if (ok) { /* (clq_wait's timed waits count on the monotonic clock) */
-        ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&q->more, &attr) == 0;
+        ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&q->more, &attr) == 0 &&
+             pthread_cond_init(&q->token, &attr) == 0;
         pthread_condattr_destroy(&attr);
     }
     if (!ok || pthread_mutex_init(&q->lock, NULL) != 0) {
@@ -125,8 +139,10 @@ static void clq_open_locked(clq_t *q) {
    the queue's cl_context, `create_user` and `set_status` clCreateUserEvent and
    clSetUserEventStatus, a batch held `ns` nanoseconds at most (0: gating off). */
 void clq_gating(clq_t *q, void *context, uintptr_t create_user, uintptr_t set_status, long ns) {
+    if (q->pid != getpid()) return; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
     clq_open_locked(q);
+    pthread_cond_signal(&q->more); /* (a waiter timing the gate looks at the new one) */
     q->context = context;
     q->create_user = (user_fn)create_user;
     q->set_status = (status_fn)set_status;
@@ -270,6 +286,11 @@ static int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
    GIL the submitting thread holds) runs that much less often. A caller that starts waiting
    meanwhile ends the hold at once.
 
+   A call that takes events holds the token (see the top of the file): call clq_reported()
+   once they are reported. It waits for the token after its wait for the oldest event (a
+   poller may have taken that event: it then waits for the next), and ends a hold at once
+   when a poller wants the token.
+
    Returns the number reported, or -1 once the queue is closed and every event was reported. 0
    only after a wait that failed while its event had not completed: that event is not reported
    until it has (its command may still use its memory); the call sleeps 1 ms first, so a
@@ -305,11 +326,18 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
                 return -1;
             }
             cl_event first = q->ring[q->head].event;
-            q->blocked = 1; /* (no gate opens while it waits: see clq_gate) */
+            int urgent = q->ring[q->head].urgent; /* (a poller never takes it: no need to wait) */
+            q->retain(first); /* (a poller may take it and release the ring's reference) */
+            q->blocked = 1;   /* (no gate opens while it waits: see clq_gate) */
             pthread_mutex_unlock(&q->lock);
             q->wait(1, &first); /* (a failure: the statuses below tell) */
             pthread_mutex_lock(&q->lock);
             q->blocked = 0;
+            while (q->taking || (q->poller && !urgent)) pthread_cond_wait(&q->token, &q->lock);
+            int mine = q->count > 0 && q->ring[q->head].event == first;
+            q->release(first);
+            if (!mine) continue; /* a poller took it: wait for the next one */
+            q->taking = 1;
         }
         while (done < max && q->count > 0) { /* only this thread takes events: the prefix stays */
             struct slot s = q->ring[q->head];
@@ -325,13 +353,15 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
             if (status[done - 1] != 0 || s.urgent) now_please = 1;
         }
         if (done == 0) { /* the wait failed and its event is still queued or running */
+            q->taking = 0;
+            pthread_cond_broadcast(&q->token);
             pthread_mutex_unlock(&q->lock);
             struct timespec nap = {0, 1000000};
             nanosleep(&nap, NULL);
             return 0;
         }
         clock_gettime(CLOCK_MONOTONIC, &next);
-        if (now_please || done == max || q->closed || !clq_before(&next, &due) ||
+        if (now_please || done == max || q->closed || q->poller || !clq_before(&next, &due) ||
             (q->count > 0 && q->ring[q->head].urgent))
             break;
         atomic_store(&q->polling, 1);
@@ -363,11 +393,87 @@ void clq_set_wake(clq_t *q, int64_t wake) {
     pthread_mutex_unlock(&q->lock);
 }
 
+/* How many commands may be ahead of one clq_poll() waits for on the device (fewer than this). */
+#define CLQ_POLL_AHEAD 4
+
+/* The poller's side of two takers (see the top of the file): wait in the calling thread, at
+   most `ns`, for `event` (a command handed over with clq_push, which the caller keeps alive,
+   with fewer than CLQ_POLL_AHEAD commands ahead of it in the ring; any other returns 0 at
+   once) to complete, opening the gate of its batch first; then take the completed prefix of the
+   ring, at most `max` events, up to the first urgent one, as clq_wait() reports them. Returns
+   the number taken (the caller reports them, then calls clq_reported), or 0 (nothing taken:
+   the event did not complete in time, the waiter took it, or the prefix starts with an
+   urgent event; nothing to report). */
+int clq_poll(clq_t *q, void *event, long ns, int max, int32_t *status, double *seconds, int64_t *tags) {
+    if (q->pid != getpid() || max < 1) return 0;
+    struct timespec due, now;
+    clq_after(&due, ns);
+    pthread_mutex_lock(&q->lock);
+    size_t ahead = 0; /* (a command with others still ahead of it on the device: not polled) */
+    while (ahead < q->count && ahead < CLQ_POLL_AHEAD && q->ring[(q->head + ahead) % q->cap].event != event)
+        ahead++;
+    if (ahead == q->count || ahead == CLQ_POLL_AHEAD) {
+        pthread_mutex_unlock(&q->lock);
+        return 0;
+    }
+    q->poller++; /* (the waiter leaves the event it woke for to this call) */
+    clq_open_locked(q);
+    pthread_mutex_unlock(&q->lock);
+    cl_int st = 1;
+    int completed = 0;
+    for (;;) {
+        if (q->event_info(event, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) != 0 || st <= 0) {
+            completed = 1;
+            break;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (!clq_before(&now, &due)) break;
+    }
+    int done = 0;
+    pthread_mutex_lock(&q->lock);
+    if (completed) {
+        clq_after(&due, ns); /* (the waiter gives the token back once it reported its batch) */
+        while (q->taking) {
+            pthread_cond_signal(&q->more); /* (a waiter holding results ends its hold) */
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if (!clq_before(&now, &due) || pthread_cond_timedwait(&q->token, &q->lock, &due) != 0) break;
+        }
+        if (!q->taking) {
+            q->taking = 1;
+            while (done < max && q->count > 0 && !q->ring[q->head].urgent) {
+                struct slot s = q->ring[q->head];
+                pthread_mutex_unlock(&q->lock);
+                int taken = clq_read(q, s.event, &status[done], &seconds[done]);
+                if (taken) q->release(s.event);
+                pthread_mutex_lock(&q->lock);
+                if (!taken) break;
+                q->head = (q->head + 1) % q->cap;
+                q->count--;
+                tags[done++] = s.tag;
+            }
+            if (done == 0) q->taking = 0;
+        }
+    }
+    q->poller--;
+    pthread_cond_broadcast(&q->token);
+    pthread_mutex_unlock(&q->lock);
+    return done;
+}
+
+/* The events a clq_wait() or clq_poll() call took are reported: the token goes back. */
+void clq_reported(clq_t *q) {
+    pthread_mutex_lock(&q->lock);
+    q->taking = 0;
+    pthread_cond_broadcast(&q->token);
+    pthread_mutex_unlock(&q->lock);
+}
+
 /* Set the open batch's gate now (a command of another queue waits for one of its commands). */
 void clq_open(clq_t *q) {
     if (!atomic_load(&q->gated) || q->pid != getpid()) return;
     pthread_mutex_lock(&q->lock);
     clq_open_locked(q);
+    pthread_cond_signal(&q->more); /* (a waiter timing the gate waits for the batch now) */
     pthread_mutex_unlock(&q->lock);
 }
 

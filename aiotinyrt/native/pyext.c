@@ -379,16 +379,23 @@ static PyObject *py_install(PyObject *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
-/* track(obj): hand an object the repeat launch made untracked (clfast.c) back to the cyclic
-   collector; nothing for one it tracks already. */
-static PyObject *py_track(PyObject *self, PyObject *obj) {
+/* track(signals): hand the objects of a list that the repeat launch made untracked (clfast.c)
+   back to the cyclic collector; nothing for those it tracks already. */
+static PyObject *py_track(PyObject *self, PyObject *objs) {
     (void)self;
-    if (PyObject_IS_GC(obj) && !PyObject_GC_IsTracked(obj)) PyObject_GC_Track(obj);
+    if (!PyList_Check(objs)) {
+        PyErr_SetString(PyExc_TypeError, "track() takes a list");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject *obj = PyList_GET_ITEM(objs, i);
+        if (PyObject_IS_GC(obj) && !PyObject_GC_IsTracked(obj)) PyObject_GC_Track(obj);
+    }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef hq_methods[] = {
-    {"track", py_track, METH_O, "track(obj)"},
+    {"track", py_track, METH_O, "track(list)"},
     {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(q, kind, fn, n, args[, nd, deps])"},
     {"complete", (PyCFunction)(void (*)(void))py_complete, METH_FASTCALL, "complete(queue, value)"},
     {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, "install(Program, call, var, key)"},
