@@ -243,7 +243,7 @@ class CLQueue:
         if self._ring is None or self._poll_ns <= 0:
             return
         status, seconds, tags = self._poll_out
-        address = native.ffi.cast("void *", cdata_address(_event(event)))
+        address = cdata_address(event) if isinstance(event, ffi.CData) else int(event)  # (ClEvent)
         n = self._native.clq_poll(self._ring, address, self._poll_ns, 256, status, seconds, tags)
         if n:
             self._report_taken(n, status, seconds, tags)

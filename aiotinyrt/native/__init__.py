@@ -352,11 +352,19 @@ def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) ->
     return event_type
 
 
+_track: list[Callable[[list[Any]], None]] = []  # [the extension module's track] once it is there
+
+
 def track(objs: list[Any]) -> None:
     """Hand each of ``objs`` back to the cyclic garbage collector, if the extension module's
-    repeat launch made it untracked (its Signals, once they completed); nothing otherwise."""
-    module = _module()
+    repeat launch made it untracked (its Signals, once they completed); nothing otherwise.
+    Called per batch of completions: the module's function is looked up once."""
+    if _track:
+        _track[0](objs)
+        return
+    module = _module()  # (None: no repeat launch in C made anything untracked)
     if module is not None:
+        _track.append(module.track)
         module.track(objs)
 
 

@@ -397,14 +397,16 @@ void clq_set_wake(clq_t *q, int64_t wake) {
 #define CLQ_POLL_AHEAD 4
 
 /* The poller's side of two takers (see the top of the file): wait in the calling thread, at
-   most `ns`, for `event` (a command handed over with clq_push, which the caller keeps alive,
+   most `ns`, for the event at `event_address` (a command's, handed over with clq_push, which
+   the caller keeps alive,
    with fewer than CLQ_POLL_AHEAD commands ahead of it in the ring; any other returns 0 at
    once) to complete, opening the gate of its batch first; then take the completed prefix of the
    ring, at most `max` events, up to the first urgent one, as clq_wait() reports them. Returns
    the number taken (the caller reports them, then calls clq_reported), or 0 (nothing taken:
    the event did not complete in time, the waiter took it, or the prefix starts with an
    urgent event; nothing to report). */
-int clq_poll(clq_t *q, void *event, long ns, int max, int32_t *status, double *seconds, int64_t *tags) {
+int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *status, double *seconds, int64_t *tags) {
+    cl_event event = (cl_event)event_address;
     if (q->pid != getpid() || max < 1) return 0;
     struct timespec due, now;
     clq_after(&due, ns);
