@@ -155,7 +155,12 @@ class StandIn:
                 fut.set_exception(error)
 
         # (a fresh context: not the caller's, whose event loop library sniffio would report)
-        self.loop.call_soon_threadsafe(self.loop.create_task, run(), context=contextvars.Context())
+        coro = run()
+        try:
+            self.loop.call_soon_threadsafe(self.loop.create_task, coro, context=contextvars.Context())
+        except RuntimeError:  # (the stand-in is closed: the call never runs, as a dead actor's)
+            coro.close()
+            fut.set_exception(ActorDied("the stand-in is closed"))
         return fut
 
     def close(self) -> None:

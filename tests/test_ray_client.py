@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import os
 import subprocess
@@ -26,7 +27,7 @@ import pytest
 pytest.importorskip("ray")  # (imported, never started)
 
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
-from aiotinyrt.ray import client, stream, wire
+from aiotinyrt.ray import client, staging, stream, wire
 from aiotinyrt.ray.host import Host
 from tests.helpers import fail_command, filled_buffer, loop_name
 from tests.ray_stand_in import Ref, StandIn
@@ -125,11 +126,32 @@ async def test_a_long_turn_sends_a_call_every_batch_limit_commands(
     await a.free()
 
 
+def _store_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts fail the copy probes (as a host on another machine does): a connection probing
+    from now on copies through the object store."""
+    _copies(monkeypatch, staging.STORE)
+
+
+def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Connections probing from now on copy this way (``staging.DIRECT``: as the host allows;
+    ``STAGED``: the host may not read the client's memory, as under Yama's ptrace_scope 1;
+    ``STORE``: neither)."""
+    real = Host.stage
+
+    async def stage(self: Host, client: str, where: Any, token: bytes) -> bool:
+        if mode == staging.STORE or (mode == staging.STAGED and isinstance(where, staging.Direct)):
+            return False
+        return await real(self, client, where, token)
+
+    monkeypatch.setattr(Host, "stage", stage)
+
+
 @pytest.mark.parametrize("nbytes", [256, 1 << 20])
-async def test_copies_are_bit_exact_and_large_ones_go_through_the_store(
-    stand_in: StandIn, nbytes: int
+async def test_copies_are_bit_exact_and_large_ones_go_through_the_store_where_staging_fails(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, nbytes: int
 ) -> None:
-    dev = Device["RAY:s1/CPU:6"]
+    _store_only(monkeypatch)
+    _, dev = _own_device(stand_in, anyio_backend, f"store-{nbytes}")
     x = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     buf = await filled_buffer(dev.name, x)
     puts = stand_in.puts
@@ -141,7 +163,39 @@ async def test_copies_are_bit_exact_and_large_ones_go_through_the_store(
     await view.copyin(np.arange(16, dtype=np.uint8))
     await buf.copyout(out)
     assert out[-16:].tolist() == list(range(16)) and out[:-16].tobytes() == x[:-16].tobytes()
-    await buf.free()
+    await dev.aclose()
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED])
+async def test_large_copies_on_one_machine_skip_the_store_ordered_as_any_copy(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"same-machine-{mode}")
+    prog = await dev.program("add1", ADD_SRC)
+    nbytes = 1 << 20
+    x = np.random.default_rng(11).integers(0, 1000, nbytes // 4, dtype=np.int32)
+    probes, puts = stand_in.calls.get("stage", 0), stand_in.puts
+    buf = await filled_buffer(dev.name, x)
+    prog(buf)  # (the copyout below comes after it on the host: ordered as any copy)
+    out = np.empty_like(x)
+    await buf.copyout(out)
+    assert (out[:N] == x[:N] + 1).all() and (out[N:] == x[N:]).all()  # (add1 adds to N ints)
+    await buf.copyin(x)
+    await buf.copyout(out)
+    assert out.tobytes() == x.tobytes()
+    assert stand_in.puts == puts  # (nothing through the store)
+    conn = dev.conn
+    assert conn.staging.mode == mode
+    if mode == staging.DIRECT:
+        assert stand_in.calls["stage"] - probes == 1  # (one probe per connection)
+        assert conn.staging.made == 0  # (the host copies from and to this process's memory)
+    else:
+        assert stand_in.calls["stage"] - probes == 2  # (direct refused, then staged)
+        assert len(conn.staging._free) == 1  # (one segment, reused by every copy)
+        unstage = stand_in.actor(name).unstage.remote(conn.client)
+        assert await anyio.to_thread.run_sync(unstage.result, 30) == 1  # (mapped there)
+    await dev.aclose()
 
 
 async def test_copy_from_another_host_moves_the_bytes_host_to_host(stand_in: StandIn) -> None:
@@ -240,17 +294,20 @@ async def test_the_host_takes_a_clients_batches_in_sequence_order() -> None:
     assert await host.release("c") == 1
 
 
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED, staging.STORE])
 async def test_large_copies_move_in_pieces_a_call_each_bit_exact(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
 ) -> None:
     monkeypatch.setattr(wire, "CHUNK_BYTES", 256 * 1024)
+    _copies(monkeypatch, mode)
+    _, dev = _own_device(stand_in, anyio_backend, f"pieces-{mode}")
     nbytes = 1024 * 1024 + 12_288  # (five pieces, the last a short one)
     x = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
     calls, puts = stand_in.calls.get("run", 0), stand_in.puts
-    buf = await Buffer("RAY:s1/CPU:6", nbytes, dtypes.uint8).allocate()
+    buf = await Buffer(dev.name, nbytes, dtypes.uint8).allocate()
     await buf.copyin(x)
     assert stand_in.calls["run"] - calls == 1 + 5  # the alloc's, then a call per piece
-    assert stand_in.puts - puts == 5  # each piece put by this process
+    assert stand_in.puts - puts == (5 if mode == staging.STORE else 0)  # (each piece put here)
     out = np.empty(nbytes, np.uint8)
     calls = stand_in.calls["run"]
     await buf.copyout(out)
@@ -261,8 +318,10 @@ async def test_large_copies_move_in_pieces_a_call_each_bit_exact(
     await far.copy_from(buf)
     assert stand_in.calls["read"] - reads == 5
     assert (await far.numpy()).tobytes() == x.tobytes()
+    assert len(dev.conn.staging._free) == (2 if mode == staging.STAGED else 0)  # (two in flight at most)
     await buf.free()
     await far.free()
+    await dev.aclose()
 
 
 async def test_a_callable_failing_on_the_host_keeps_its_cause_and_fails_what_follows_with_it(
@@ -310,10 +369,10 @@ async def test_a_batch_that_does_not_encode_fails_its_commands_and_the_stream_go
 
 
 async def test_a_reply_that_raises_fails_its_command_and_later_replies_still_arrive(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
 ) -> None:
-    dev = Device["RAY:s2/CPU:5"]
-    assert isinstance(dev, client.RAYDevice)
+    _store_only(monkeypatch)
+    _, dev = _own_device(stand_in, anyio_backend, "raises")
     big = 1 << 20  # (a copyout this large comes back as an object ref the client fetches)
     buf = await filled_buffer(dev.name, np.ones(big, np.uint8))
     real, fail = stand_in.get, [True]
@@ -332,7 +391,7 @@ async def test_a_reply_that_raises_fails_its_command_and_later_replies_still_arr
         await buf.view(16, dtypes.uint8).copyin(np.full(16, 3, np.uint8))
         assert (await buf.numpy())[:16].tolist() == [3] * 16
     assert dev.conn._waiter is not None and dev.conn._waiter.is_alive()
-    await buf.free()
+    await dev.aclose()
 
 
 def _in_a_loop_that_stops(submit: Callable[[], object]) -> None:
@@ -666,12 +725,14 @@ def test_a_forked_child_does_not_reuse_the_parents_connections() -> None:
     assert result.stdout.split() == ["0", "True"], result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED, staging.STORE])
 @pytest.mark.parametrize("into", [True, False], ids=["copyin", "copyout"])
-async def test_a_large_copy_has_at_most_two_pieces_in_the_store(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, into: bool
+async def test_a_large_copy_has_at_most_two_pieces_in_flight(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, into: bool, mode: str
 ) -> None:
     monkeypatch.setattr(wire, "CHUNK_BYTES", 96 * 1024)
-    name, dev = _own_device(stand_in, anyio_backend, f"window-{into}")
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"window-{into}-{mode}")
     nbytes = 6 * 96 * 1024  # (six pieces)
     x = np.random.default_rng(9).integers(0, 256, nbytes, dtype=np.uint8)
     buf = await filled_buffer(dev.name, x if not into else np.zeros(nbytes, np.uint8))
@@ -692,7 +753,11 @@ async def test_a_large_copy_has_at_most_two_pieces_in_the_store(
     with anyio.fail_after(30):
         await anyio.to_thread.run_sync(full.wait)
         assert stand_in.calls["run"] - calls == 2  # (a copyout's pieces: put when the host runs them)
-        if into:
+        if mode == staging.STAGED:
+            assert dev.conn.staging.made == 2 and stand_in.puts == puts  # (a segment each)
+        elif mode == staging.DIRECT:
+            assert stand_in.puts == puts
+        elif into:
             assert stand_in.puts - puts == 2
         stand_in.resume(name)
         await sig
@@ -700,3 +765,100 @@ async def test_a_large_copy_has_at_most_two_pieces_in_the_store(
         if not into:
             assert out.tobytes() == x.tobytes()
     await dev.aclose()
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED])
+async def test_a_host_lost_during_a_large_copy_fails_it_and_a_reset_probes_the_new_host(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"lost-{mode}")
+    nbytes = 1 << 20
+    buf = await filled_buffer(dev.name, np.ones(nbytes, np.uint8))  # (probed: the mode is set)
+    probes, calls = stand_in.calls["stage"], dev.conn.calls
+    stand_in.hold(name)
+    out = np.empty(nbytes, np.uint8)
+    sig = buf._enqueue_copy(memoryview(out), into=False)
+    with anyio.fail_after(30):
+        await anyio.to_thread.run_sync(_until, lambda: dev.conn.calls > calls)  # (the piece is sent)
+        stand_in.kill(name)
+        with pytest.raises(DeviceError, match=f"host {name}: device lost"):
+            await sig
+    conn = dev.conn
+    if mode == staging.STAGED:
+        assert len(conn.staging._free) == conn.staging.made  # (the piece's segment came back)
+    stand_in.start(name)
+    await dev.reset()
+    again = await filled_buffer(dev.name, np.full(nbytes, 5, np.uint8))
+    await again.copyout(out)
+    assert (out == 5).all()
+    assert conn.staging.mode == mode and stand_in.calls["stage"] > probes  # (the new host probed)
+    await dev.aclose()
+
+
+def _until(ready: Callable[[], bool]) -> None:
+    """Wait (on a worker thread) until ``ready()``, 30 s at most."""
+    deadline = time.monotonic() + 30
+    while not ready() and time.monotonic() < deadline:
+        threading.Event().wait(0.001)
+
+
+async def test_segments_beyond_the_kept_bytes_close_and_the_host_drops_their_mappings(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    _copies(monkeypatch, staging.STAGED)
+    monkeypatch.setattr(staging, "KEEP_BYTES", 2 << 20)
+    name, dev = _own_device(stand_in, anyio_backend, "retire")
+    host = stand_in._hosts[name]
+    buf = await Buffer(dev.name, 2 << 20, dtypes.uint8).allocate()
+    await buf.view(1 << 20, dtypes.uint8).copyin(np.ones(1 << 20, np.uint8))  # (a 1 MiB segment)
+    await buf.copyin(np.full(2 << 20, 2, np.uint8))  # (a 2 MiB one: the 1 MiB one closes)
+    conn = dev.conn
+    assert [s.size for s in conn.staging._free] == [2 << 20] and conn.staging.retired
+    assert host._staging.mapped(conn.client) == 2
+    await buf.copyin(np.full(2 << 20, 3, np.uint8))  # (its call tells the host)
+    assert host._staging.mapped(conn.client) == 1 and not conn.staging.retired
+    assert ((await buf.numpy()) == 3).all()
+    await dev.aclose()
+
+
+async def test_a_dropped_connection_closes_its_segments_and_the_host_drops_their_mappings(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _copies(monkeypatch, staging.STAGED)
+    stand_in.start("unstaged")
+    host = stand_in._hosts["unstaged"]
+    conn = stream.connection("unstaged")
+    nbytes = 1 << 20
+    conn.submit((wire.ALLOC, "CPU", 1, nbytes, False), None)
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    window, lease = client._Window(), client._Lease(conn)
+    data = np.ones(nbytes, np.uint8)
+    make = functools.partial(client._staged_copyin, conn, window, lease, 9, (1, nbytes, 0), data, [])
+    conn.send_apart([(make, window.replied(lambda r, e: answer.set_result((r, e)), lease))], puts=True)
+    assert await anyio.to_thread.run_sync(answer.result, 30) == (0.0, None)
+    client_id, segments = conn.client, list(conn.staging._free)
+    assert host._staging.mapped(client_id) == 1 and segments
+    sender = conn._sender
+    assert sender is not None
+    stream._CONNECTIONS.pop("unstaged", None)
+    del conn, lease, make, window
+    gc.collect()
+    await anyio.to_thread.run_sync(sender.join, 30)
+    assert all(s._map is None for s in segments)  # (closed here)
+    ping = stand_in.actor("unstaged").ping.remote()  # (after the unstage call, on the host's loop)
+    await anyio.to_thread.run_sync(ping.result, 30)
+    assert host._staging.mapped(client_id) == 0
+    await host.release(client_id)
+
+
+def test_a_direct_copy_never_touches_a_process_that_is_not_the_client_it_names() -> None:
+    here = np.zeros(16, np.uint8)
+    there = np.arange(16, dtype=np.uint8)
+    real = staging.Direct.here(staging.address(there))
+    staging.direct_copy(real, staging.address(here), 16, write=False)
+    assert here.tolist() == list(range(16))
+    reused = real._replace(started="0")  # (the pid of a client that ended, now another process's)
+    with pytest.raises(OSError, match="gone"):
+        staging.direct_copy(reused, staging.address(here), 16, write=True)
+    assert there.tolist() == list(range(16))

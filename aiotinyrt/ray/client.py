@@ -37,8 +37,9 @@ from aiotinyrt.device import Compiled, Device
 from aiotinyrt.driverqueue import Done, DriverQueue
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
-from aiotinyrt.ray import wire
-from aiotinyrt.ray.stream import _CONNECTIONS, BATCH_LIMIT, Part, Reply, connection
+from aiotinyrt.ray import staging, wire
+from aiotinyrt.ray.staging import Segment
+from aiotinyrt.ray.stream import _CONNECTIONS, BATCH_LIMIT, Connection, Part, Reply, connection
 from aiotinyrt.ray.wire import Command, HostLost, RemoteError
 from aiotinyrt.signal import DeviceError
 
@@ -72,17 +73,38 @@ def _pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(k, min(step, nbytes - k)) for k in range(0, nbytes, step)]
 
 
+class _Lease:
+    """The staging segment one piece of a copy holds, if any (set by the sender thread when it
+    makes the piece, given back to the connection once, when the piece's reply was handled:
+    before its command completes, so the next copy finds it free)."""
+
+    __slots__ = ("conn", "kept", "segment")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.segment: Segment | None = None
+        #: the caller's memory a direct copy names (alive until the reply)
+        self.kept: np.ndarray[Any, Any] | None = None
+
+    def give_back(self) -> None:
+        self.kept = None
+        seg, self.segment = self.segment, None
+        if seg is not None:
+            self.conn.staging.give_back(seg)
+
+
 class _Window(threading.Semaphore):
-    """The pieces of one copy that may be in the object store at once
-    (:data:`~aiotinyrt.ray.wire.PIECES_IN_FLIGHT`): the sender thread makes a piece (puts its
-    bytes, or sends it for the host to put) only once a piece before it replied; it waits
-    here, never an event loop."""
+    """The pieces of one copy that may be in flight at once (each holding a staging segment or
+    an object in the store; :data:`~aiotinyrt.ray.wire.PIECES_IN_FLIGHT`): the sender thread
+    makes a piece (copies or puts its bytes, or sends it for the host to) only once a piece
+    before it replied; it waits here, never an event loop."""
 
     def __init__(self) -> None:
         super().__init__(wire.PIECES_IN_FLIGHT)
 
-    def replied(self, reply: Reply) -> Reply:
-        """``reply``, then room for the next piece (once, however often it is called)."""
+    def replied(self, reply: Reply, lease: _Lease) -> Reply:
+        """``reply``, then room for the next piece (once, however often it is called; the
+        piece's segment goes back if ``reply`` did not give it back)."""
         room = [True]
 
         def piece_replied(result: Any, error: BaseException | None) -> None:
@@ -91,24 +113,48 @@ class _Window(threading.Semaphore):
             finally:
                 if room:
                     room.clear()
+                    lease.give_back()
                     self.release()
 
         return piece_replied
 
 
-def _put_copyin(
-    window: _Window, cid: int, ref: tuple[int, int, int], data: np.ndarray[Any, Any], waits: list[Any]
+def _staged_copyin(
+    conn: Connection,
+    window: _Window,
+    lease: _Lease,
+    cid: int,
+    ref: tuple[int, int, int],
+    data: np.ndarray[Any, Any],
+    waits: list[Any],
 ) -> Command:
-    """A copyin whose bytes this call puts into the object store (the host reads them there),
-    once there is room for them (``window``)."""
+    """A copyin piece, once there is room for it (``window``): its address here, which the host
+    copies from (direct), or its bytes copied into a staging segment the host reads, or else
+    put into the object store (the host reads them there)."""
     window.acquire()
-    return (wire.COPYIN, cid, ref, [wire.STORE.put(data)], waits)
+    mode = conn.copy_mode()
+    if mode == staging.DIRECT:
+        lease.kept = data
+        return (wire.COPYIN, cid, ref, staging.Direct.here(staging.address(data)), waits)
+    seg = lease.segment = conn.lease(data.nbytes) if mode == staging.STAGED else None
+    if seg is None:
+        return (wire.COPYIN, cid, ref, [wire.STORE.put(data)], waits)
+    np.copyto(seg.array[: data.nbytes], data)
+    return (wire.COPYIN, cid, ref, seg.staged, waits)
 
 
-def _in_window(window: _Window, cmd: Command) -> Command:
-    """``cmd``, once there is room for the bytes its reply brings into the object store."""
+def _staged_copyout(
+    conn: Connection, window: _Window, lease: _Lease, cmd: Command, into: np.ndarray[Any, Any]
+) -> Command:
+    """A copyout piece into ``into``, once there is room for it: the host copies straight into
+    it (direct), or into a staging segment, or else puts the bytes into the object store."""
     window.acquire()
-    return cmd
+    mode = conn.copy_mode()
+    if mode == staging.DIRECT:
+        lease.kept = into
+        return (*cmd, staging.Direct.here(staging.address(into)))
+    seg = lease.segment = conn.lease(cmd[2][1]) if mode == staging.STAGED else None
+    return cmd if seg is None else (*cmd, seg.staged)
 
 
 async def _get(ref: Any) -> Any:
@@ -231,42 +277,40 @@ class _QueueDriver:
             if data.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
                 return cid
-            # put into the object store piece by piece by the sender thread: the host copies
-            # one piece in while the next is put (at most ``PIECES_IN_FLIGHT`` in the store)
+            # staged (or put) piece by piece by the sender thread: the host copies one piece in
+            # while the next is staged (at most ``PIECES_IN_FLIGHT`` in flight)
             pieces = _pieces(data.nbytes)
             whole = _Pieces(len(pieces), done)
             window = _Window()
-            parts: list[Part] = [
-                (
-                    functools.partial(
-                        _put_copyin,
-                        window,
-                        cid,
-                        (dest.id, size, dest.offset + k),
-                        data[k : k + size],
-                        list(waits) if k == 0 else [],
-                    ),
-                    window.replied(_reply(dev, whole.piece_done)),
+            parts: list[Part] = []
+            for k, size in pieces:
+                lease = _Lease(conn)
+                piece = (dest.id, size, dest.offset + k)
+                first = list(waits) if k == 0 else []
+                make = functools.partial(
+                    _staged_copyin, conn, window, lease, cid, piece, data[k : k + size], first
                 )
-                for k, size in pieces
-            ]
+                parts.append((make, window.replied(_reply(dev, whole.piece_done, None, lease), lease)))
             conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._copyout:
             out, src = args
-            if src.nbytes <= wire.CHUNK_BYTES:
+            if src.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
                 return cid
             # piece by piece, a call each: this process copies one piece out while the host
-            # puts the next (sent by the sender thread: at most ``PIECES_IN_FLIGHT`` in the store)
+            # copies (or puts) the next (sent by the sender thread: at most ``PIECES_IN_FLIGHT``)
             pieces = _pieces(src.nbytes)
             whole = _Pieces(len(pieces), done)
             into = np.frombuffer(out, np.uint8)
             window = _Window()
             parts = []
             for k, size in pieces:
-                piece = (wire.COPYOUT, cid, (src.id, size, src.offset + k), list(waits) if k == 0 else [])
-                reply = _reply(dev, whole.piece_done, into[k : k + size])
-                parts.append((functools.partial(_in_window, window, piece), window.replied(reply)))
+                lease = _Lease(conn)
+                first = list(waits) if k == 0 else []
+                part: Command = (wire.COPYOUT, cid, (src.id, size, src.offset + k), first)
+                reply = _reply(dev, whole.piece_done, into[k : k + size], lease)
+                make = functools.partial(_staged_copyout, conn, window, lease, part, into[k : k + size])
+                parts.append((make, window.replied(reply, lease)))
             conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._transfer:
             dest, src, _nbytes, src_dev = args
@@ -285,10 +329,11 @@ class _QueueDriver:
         return cid
 
 
-def _reply(device: RAYDevice, done: Done, out: Any = None) -> Reply:
+def _reply(device: RAYDevice, done: Done, out: Any = None, lease: _Lease | None = None) -> Reply:
     """The reply handler of one command: its entry (see :mod:`aiotinyrt.ray.wire`) to ``done``;
-    a copyout's bytes (small ones in the entry, else an object ref) land in ``out``. Calls
-    ``done`` at most once, even when called again after it raised (see ``_reply_failed``)."""
+    a copyout's bytes (small ones in the entry, else the staging segment of ``lease`` or an
+    object ref) land in ``out``. Calls ``done`` at most once, even when called again after it
+    raised (see ``_reply_failed``)."""
     reported = False
 
     def once(seconds: float, error: BaseException | None) -> None:
@@ -314,6 +359,20 @@ def _reply(device: RAYDevice, done: Done, out: Any = None) -> Reply:
             data = wire.STORE.get(payload[0]) if isinstance(payload, list) else payload
             np.copyto(np.frombuffer(out, np.uint8), data)  # (zero-copy read of the store)
         done(seconds, None)
+
+    def staged(result: Any, error: BaseException | None) -> None:
+        assert lease is not None
+        seg = lease.segment
+        try:
+            if error is None and result.__class__ is float and seg is not None and out is not None:
+                view = np.frombuffer(out, np.uint8)
+                np.copyto(view, seg.array[: view.nbytes])  # (the host copied into the segment)
+        finally:
+            lease.give_back()
+        reply(result, error)
+
+    if lease is not None:
+        return staged
 
     return reply
 

@@ -10,11 +10,14 @@ real Buffers and Programs, whose access records order them as on a local device;
 wait list is awaited in line, so nothing later is submitted before it is done. The reply is
 sent once every command of the batch completed.
 
-Bytes: a copyin's array arrives in the call (Ray put it in the object store; here it is read
-zero-copy) and is copied once, into the buffer. A copyout is one copy: ``put`` of a zero-copy
-view of the buffer, taken after its pending writes and before anything later is submitted; the
-reply carries the ref, not the bytes. A host-to-host ``copy_from`` is the destination host
-asking the source host for such a ref, then one copy in.
+Bytes: a large copy of a client on this machine names a staging segment of the client's
+(:mod:`aiotinyrt.ray.staging`), mapped here at its first use: a copyin is the buffer's copyin
+from it, a copyout the buffer's copyout into it (ordered as any copy, on the device's copy
+queue). Otherwise a copyin's array arrives in the call (Ray put it in the object store; here it
+is read zero-copy) and is copied once, into the buffer, and a copyout is one copy: ``put`` of a
+zero-copy view of the buffer, taken after its pending writes and before anything later is
+submitted; the reply carries the ref, not the bytes. A host-to-host ``copy_from`` is the
+destination host asking the source host for such a ref, then one copy in.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from aiotinyrt.device import Compiled, Device, get_available_devices
 from aiotinyrt.dtype import dtypes
 from aiotinyrt.program import Program
 from aiotinyrt.ray import wire
+from aiotinyrt.ray.staging import Direct, Mappings, Staged, address, direct_copy
 from aiotinyrt.ray.wire import ACTOR_PREFIX, Command
 from aiotinyrt.signal import Signal
 
@@ -65,6 +69,7 @@ class Host:
         self._next: dict[str, int] = {}  # client -> the batch whose turn it is
         self._turn = asyncio.Condition()
         self._peers: dict[str, Any] = {}  # other hosts' handles, by name
+        self._staging = Mappings()  # clients' staging segments mapped here
         self._ops: dict[int, Callable[[str, Buffers, Pending, Command], Awaitable[Any]]] = {
             wire.ALLOC: self._alloc,
             wire.FREE: self._free,
@@ -76,6 +81,7 @@ class Host:
             wire.RELEASE: self._release,
             wire.STATS: self._stats,
             wire.RESET: self._reset,
+            wire.UNSTAGE: self._unstage,
         }
 
     async def ping(self) -> str:
@@ -108,6 +114,18 @@ class Host:
         """The host device's allocator statistics, as a dict."""
         dev = await self._device(device)
         return asdict(dev.allocator.statistics())
+
+    async def stage(self, client: str, staged: Staged | Direct, token: bytes) -> bool:
+        """Whether this host reads ``token`` through ``staged``: ``client``'s memory (direct),
+        or the start of its segment, which then stays mapped (the probe of
+        :mod:`aiotinyrt.ray.staging`)."""
+        return self._staging.probe(client, staged, token)
+
+    async def unstage(self, client: str) -> int:
+        """Drop every staging segment of ``client`` mapped here; how many there were."""
+        count = self._staging.mapped(client)
+        self._staging.drop(client)
+        return count
 
     async def buffers(self, client: str) -> int:
         """How many buffers ``client`` holds here."""
@@ -274,15 +292,30 @@ class Host:
     async def _copyin(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         _, _cid, ref, data, waits = cmd
         await _waits(sigs, waits)
+        if isinstance(data, Direct):  # (the client's own memory: one copy, by the kernel)
+            await _direct(_buffer(bufs, ref), data, write=False)
+            return 0.0
         if isinstance(data, list):  # (the ref of the client's put: read zero-copy)
             data = await wire.STORE.wait(data[0])
+        elif isinstance(data, Staged):  # (the client's segment: mapped here)
+            data = self._staging.view(client, data)[: ref[1]]
         await _buffer(bufs, ref).copyin(data)
         return 0.0
 
     async def _copyout(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
-        _, _cid, ref, waits = cmd
+        _, _cid, ref, waits, *staged = cmd
         await _waits(sigs, waits)
+        if staged and isinstance(staged[0], Direct):  # (into the client's own memory)
+            await _direct(_buffer(bufs, ref), staged[0], write=True)
+            return 0.0
+        if staged:  # into the client's segment: the buffer's copyout, ordered as any
+            await _buffer(bufs, ref).copyout(self._staging.view(client, staged[0])[: ref[1]])
+            return 0.0
         return (0.0, None, await self._export(_buffer(bufs, ref)), None)
+
+    async def _unstage(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
+        self._staging.drop(client, cmd[1])
+        return None
 
     async def _transfer(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         _, _cid, dst, src, waits = cmd
@@ -350,6 +383,24 @@ def _buffer(bufs: Buffers, ref: Ref) -> Buffer:
     if offset == 0 and nbytes == base.nbytes:
         return base
     return base.view(nbytes, dtypes.uint8, offset)
+
+
+async def _direct(buf: Buffer, there: Direct, write: bool) -> None:
+    """Copy between ``buf`` and the client's memory at ``there`` (into the client when
+    ``write``), on a worker thread: a copyin after every pending use of the buffer, a copyout
+    after its pending writes (awaited in line by the caller, so nothing later touches the buffer
+    meanwhile). A device whose memory is not host memory goes through a host array."""
+    view: memoryview | None
+    if write:
+        view = await buf.as_memoryview()  # (zero-copy on CPU; elsewhere a copy, ordered)
+    else:
+        for sig in buf.pending():
+            await sig.wait()
+        view = buf.device_obj.allocator._as_memoryview(buf.handle(), buf.nbytes)
+    here = np.frombuffer(view, np.uint8) if view is not None else np.empty(buf.nbytes, np.uint8)
+    await anyio.to_thread.run_sync(direct_copy, there, address(here), buf.nbytes, write)
+    if view is None:
+        await buf.copyin(here)
 
 
 async def _waits(sigs: Pending, waits: Sequence[int]) -> None:

@@ -30,6 +30,7 @@ except ImportError:  # (trio is optional)
     trio = None  # type: ignore[assignment]
 
 from aiotinyrt.ray import wire
+from aiotinyrt.ray.staging import Segment, Staging
 from aiotinyrt.ray.wire import Command, HostLost, RemoteError
 from aiotinyrt.signal import DeviceError
 
@@ -84,6 +85,8 @@ class Connection:
         self._sender: threading.Thread | None = None
         self._waiter: threading.Thread | None = None
         self._inflight: _queue.SimpleQueue[_InFlight | None] = _queue.SimpleQueue()
+        #: the staging segments of large copies (:mod:`aiotinyrt.ray.staging`)
+        self.staging = Staging()
         weakref.finalize(self, _stop, self._wake, self._inflight)
         self.calls = 0  #: actor calls made (tests look)
         self._epoch = 0
@@ -114,6 +117,27 @@ class Connection:
             self.loaded = set()  # (what is submitted from now on goes to the new host)
             self._outbox.append(_Item(swap=(actor, client)))
         self._pump()
+
+    def copy_mode(self) -> str:
+        """How this connection's large copies travel (``staging.DIRECT``, ``STAGED`` or
+        ``STORE``); the first call per host probes it, a round trip or two. The sender thread
+        only."""
+        return self.staging.probed(self._probe)
+
+    def lease(self, nbytes: int) -> Segment | None:
+        """A staging segment for one piece of ``nbytes`` (the sender thread only), or None."""
+        return self.staging.lease(nbytes)
+
+    def _probe(self, where: Any, expected: bytes) -> bool:
+        """Whether the host reads ``expected`` through ``where`` (:mod:`aiotinyrt.ray.staging`)."""
+        actor, client = self.actor, self.client
+        try:
+            usable = bool(wire.STORE.get(actor.stage.remote(client, where, expected), timeout=60))
+        except Exception:  # (the host is gone or old: the copy itself reports a loss)
+            return False
+        if usable:
+            self.staging.host = (actor, client)
+        return usable
 
     def new_id(self) -> int:
         """A fresh id (buffers, commands)."""
@@ -207,7 +231,10 @@ class Connection:
     def _start_sender(self) -> None:
         """Start the sender thread (holding the connection weakly). Caller holds ``_lock``."""
         self._sender = threading.Thread(
-            target=_send_loop, args=(self._wake, weakref.ref(self)), name=f"ray-send-{self.host}", daemon=True
+            target=_send_loop,
+            args=(self._wake, weakref.ref(self), self.staging),
+            name=f"ray-send-{self.host}",
+            daemon=True,
         )
         self._sender.start()
 
@@ -215,6 +242,7 @@ class Connection:
         """Make and send one item (the drainer's thread only: it alone numbers calls)."""
         if item.swap is not None:
             self.actor, self.client = item.swap
+            self.staging.reconnected()
             self._epoch += 1
             self._seq = 0
             self.lost = None
@@ -227,7 +255,12 @@ class Connection:
                 return
             seq = self._seq + 1
             try:
-                args = wire.encode(self.client, seq, [make()], refs=True)
+                cmds = [make()]
+                retired = self.staging.take_retired()
+                if retired:  # (the host drops its mappings of segments closed here)
+                    cmds.insert(0, (wire.UNSTAGE, retired))
+                    replies.insert(0, None)
+                args = wire.encode(self.client, seq, cmds, refs=True)
             except Exception as exc:  # (the put failed: this part fails; its number still goes)
                 _fail(replies, exc)
                 replies, args = [], wire.encode(self.client, seq, [])
@@ -284,13 +317,15 @@ class Connection:
 _InFlight = tuple[Any, int, list[Reply | None]]
 
 
-def _send_loop(wake: _queue.SimpleQueue[bool | None], ref: weakref.ref[Connection]) -> None:
-    """The sender thread of a connection: drains or flushes when woken; ends at the sentinel.
-    Holds the connection only while it works (a dropped connection is collected)."""
+def _send_loop(wake: _queue.SimpleQueue[bool | None], ref: weakref.ref[Connection], staging: Staging) -> None:
+    """The sender thread of a connection: drains or flushes when woken; ends at the sentinel,
+    closing the connection's staging segments. Holds the connection only while it works (a
+    dropped connection is collected)."""
     while True:
         drain = wake.get()
         conn = ref()
         if drain is None or conn is None:
+            staging.close()
             return
         try:
             if drain:

@@ -8,8 +8,10 @@ their buffers and refs as further arguments), and the host's reply holds one ent
 command ran, in that many device seconds) or a tuple ``(seconds, error message or None,
 payload, cause)`` (``cause``: the exception the command failed with, where it pickles;
 ``payload``: a copyout's bytes, the statistics asked for, the count a release freed). Bulk
-bytes never ride inside a reply: a large copyout's payload is a list holding one object ref,
-which the host ``put`` straight from its buffer and the client reads zero-copy.
+bytes never ride inside a call or a reply: a large copy names a staging segment of the client's
+(:mod:`aiotinyrt.ray.staging`, a host on the same machine), or else travels through the object
+store: a copyin as the ref of the client's put, a copyout as a payload that is a list holding
+one object ref, which the host ``put`` straight from its buffer and the client reads zero-copy.
 
 The store is a module attribute (:data:`STORE`, looked up at each use) so that the client and
 the host can be driven in one process without Ray (tests put a stand-in there).
@@ -36,7 +38,7 @@ NAMESPACE = "aiotinyrt"
 Command = tuple[Any, ...]
 
 # operation codes (the first item of a command)
-ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL, RELEASE, STATS, RESET = range(12)
+ALLOC, FREE, LOAD, LAUNCH, COPYIN, COPYOUT, TRANSFER, FETCH, CALL, RELEASE, STATS, RESET, UNSTAGE = range(13)
 
 #: Copies up to this size travel inside the call or reply (Ray sends small values with the
 #: call itself); larger ones go through the object store, ``put`` by the side that has them.
