@@ -6,8 +6,9 @@ command does."""
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -210,3 +211,154 @@ async def test_loop_threads_and_the_waiter_take_turns_without_losing_a_completio
     assert len(set(reports.threads)) >= 2  # (the waiter and at least one loop thread)
     assert (await out.numpy())[0] == total
     await out.free()
+
+
+class _Owner:
+    """The little a DriverQueue needs of its device (a queue of the tests' own)."""
+
+    def __init__(self) -> None:
+        self.name = "CLPOLL"
+        self._error: DeviceError | None = None
+
+    def _fail(self, exc: BaseException, sig: Any) -> DeviceError:
+        self._error = self._error or DeviceError(f"{self.name}: {exc!r}", cause=exc)
+        return self._error
+
+
+@pytest.fixture
+def private() -> Iterator[tuple[DriverQueue, CLQueue]]:
+    """A CL queue of the test's own on CL's context (the tests close or wedge it on purpose),
+    its gate held a minute and its poll's budget a minute."""
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    driver = CLQueue("poll-test", dev.context, dev.device_id)
+    if driver._ring is None:
+        pytest.skip("NATIVE_QUEUE=0: no completion ring, so no poll")
+    queue = DriverQueue(_Owner(), "poll-test", driver, context=dev.context)  # type: ignore[arg-type]
+    driver.gate(MINUTE_US)
+    driver._poll_ns = MINUTE_US * 1000
+    try:
+        yield queue, driver
+    finally:
+        driver.close()
+        queue.stop(drop_queued=True, join_timeout=30)
+
+
+@cl_command
+def _marker(cq: object, n: int, wl: Any) -> object:
+    """A marker over its wait list (the gate): it completes once the gate is set."""
+    event = ffi.new("cl_event*")
+    assert ocl.lib().clEnqueueMarkerWithWaitList(cq, n, wl, event) == 0
+    return event[0]
+
+
+class _Lib:
+    """The native library as a CLQueue sees it, with ``after_poll(n)`` run as a poll returns."""
+
+    def __init__(self, lib: Any, after_poll: Any) -> None:
+        self._lib, self._after_poll = lib, after_poll
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def clq_poll(self, *args: Any) -> int:
+        n = int(self._lib.clq_poll(*args))
+        self._after_poll(n)
+        return n
+
+
+async def test_a_queue_closed_while_a_poll_holds_what_it_took_waits_for_its_report(
+    private: tuple[DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue closes between the poll's take and its report: the waiter must not end (and
+    drop the commands it did not report) before the poll reported."""
+    queue, driver = private
+    stayed: list[bool] = []
+
+    def close(n: int) -> None:
+        if n:
+            closer = threading.Thread(target=driver.close)
+            closer.start()
+            closer.join()
+            driver._waiter.join(0.5)  # (it may not end: the poll holds the ring's token)
+            stayed.append(driver._waiter.is_alive())
+
+    monkeypatch.setattr(driver, "_native", _Lib(driver._native, close))
+    sig = queue.submit(_marker, ())
+    with anyio.fail_after(30):
+        await sig
+    assert stayed == [True] and sig.done() and sig.error() is None
+    driver._waiter.join(30)
+    assert not driver._waiter.is_alive()
+
+
+class _Interrupt(Exception):
+    """Stands for a signal handler's exception (KeyboardInterrupt) raised as a poll returns."""
+
+
+async def test_an_exception_as_a_poll_returns_still_reports_what_it_took(
+    private: tuple[DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue, driver = private
+
+    def interrupt(n: int) -> None:
+        if n:
+            raise _Interrupt
+
+    monkeypatch.setattr(driver, "_native", _Lib(driver._native, interrupt))
+    sig = queue.submit(_marker, ())
+    with pytest.raises(_Interrupt):
+        await sig
+    assert sig.done() and sig.error() is None  # (reported, and the ring's token given back)
+    monkeypatch.undo()
+    with anyio.fail_after(30):
+        await queue.submit(_marker, ())  # (the waiter takes turns again)
+
+
+async def test_a_poll_waits_its_whole_budget_for_the_token_even_past_a_second(
+    private: tuple[DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiter holds the token while it runs a Python command; the polled user event has
+    completed: the poll, with a minute's budget, waits for the token and takes the event."""
+    queue, driver = private
+    driver.gate(0)  # (the Python command runs at once)
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    ctx = Device["CL"].context  # type: ignore[attr-defined]
+    user = cl.clCreateUserEvent(ctx, err)
+    running, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        cl.clSetUserEventStatus(user, ocl.COMPLETE)
+        running.set()
+        go.wait(60)
+
+    @cl_command
+    def the_user_event(cq: object, n: int, wl: Any) -> object:
+        cl.clRetainEvent(user)  # (the driver releases the command's event)
+        return user
+
+    ahead = queue.submit(hold, ())
+    sig = queue.submit(the_user_event, ())
+    loop = threading.get_ident()
+
+    def release_once_polling() -> None:
+        """Set ``go`` once the loop thread is inside the poll (in clq_poll, waiting)."""
+        while not go.is_set():
+            frame = sys._current_frames().get(loop)
+            if frame is not None and frame.f_code.co_name == "poll":
+                go.set()
+
+    reports = _Reports(monkeypatch)
+    releaser = threading.Thread(target=release_once_polling)
+    try:
+        with anyio.fail_after(30):
+            await anyio.to_thread.run_sync(running.wait)
+            releaser.start()
+            await sig
+    finally:
+        go.set()  # (the releaser and the Python command end whatever happened)
+        if releaser.is_alive():
+            releaser.join()
+    assert ahead.done() and sig.done()
+    assert reports.values[-1] == sig.value and reports.threads[-1] == loop
+    cl.clReleaseEvent(user)

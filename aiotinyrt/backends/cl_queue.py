@@ -239,14 +239,21 @@ class CLQueue:
         """Wait briefly in the calling thread (``CL_POLL_US``, GIL released) for ``event``, a
         command's event of this queue that the caller keeps alive, and report it and the
         completed commands before it from this thread if it completes meanwhile (clq.c, "Two
-        takers"); nothing without the native ring or when the waiter thread reports it."""
+        takers"); nothing without the native ring or when the waiter thread reports it.
+
+        What the poll took is reported even when an exception (a signal handler's, such as
+        ``KeyboardInterrupt``) is raised as the call returns: it is read back from the ring."""
         if self._ring is None or self._poll_ns <= 0:
             return
+        ring, lib = self._ring, self._native
         status, seconds, tags = self._poll_out
         address = cdata_address(event) if isinstance(event, ffi.CData) else int(event)  # (ClEvent)
-        n = self._native.clq_poll(self._ring, address, self._poll_ns, 256, status, seconds, tags)
-        if n:
-            self._report_taken(n, status, seconds, tags)
+        try:
+            lib.clq_poll(ring, address, self._poll_ns, 256, status, seconds, tags)
+        finally:  # (read again from the ring: a signal handler may raise before the result is)
+            n = lib.clq_polled(ring)
+            if n:
+                self._report_taken(n, status, seconds, tags)
 
     def gate(self, microseconds: int) -> None:
         """Hold batches of commands nobody waits for at most ``microseconds`` (0: hand every

@@ -32,6 +32,7 @@
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,6 +70,8 @@ struct clq {
     pthread_cond_t token; /* `taking` and `poller` went to 0 */
     int taking;           /* a taker holds the token (see the top of the file) */
     int poller;           /* a clq_poll() caller waits for the token or its event */
+    int polled;           /* the events the token's poller took (its thread: poll_owner) */
+    pthread_t poll_owner;
     struct slot *ring; /* a circular buffer of cap slots: count events from head */
     size_t cap, head, count;
     int closed;
@@ -202,7 +205,8 @@ int clq_push(clq_t *q, void *event, int64_t tag, int urgent) {
 
 static void clq_after(struct timespec *t, long ns) {
     clock_gettime(CLOCK_MONOTONIC, t);
-    t->tv_nsec += ns;
+    t->tv_sec += ns / 1000000000L;
+    t->tv_nsec += ns % 1000000000L;
     if (t->tv_nsec >= 1000000000L) {
         t->tv_sec += 1;
         t->tv_nsec -= 1000000000L;
@@ -322,6 +326,10 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
                 }
             }
             if (q->count == 0) {
+                if (q->taking || q->poller) { /* (closed: a poller may still report what it took) */
+                    pthread_cond_wait(&q->token, &q->lock);
+                    continue;
+                }
                 pthread_mutex_unlock(&q->lock);
                 return -1;
             }
@@ -411,10 +419,11 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
     struct timespec due, now;
     clq_after(&due, ns);
     pthread_mutex_lock(&q->lock);
-    size_t ahead = 0; /* (a command with others still ahead of it on the device: not polled) */
+    size_t ahead = 0; /* (a command with others, or a Python command, ahead of it: not polled) */
+    int urgent = 0;
     while (ahead < q->count && ahead < CLQ_POLL_AHEAD && q->ring[(q->head + ahead) % q->cap].event != event)
-        ahead++;
-    if (ahead == q->count || ahead == CLQ_POLL_AHEAD) {
+        urgent |= q->ring[(q->head + ahead++) % q->cap].urgent;
+    if (ahead == q->count || ahead == CLQ_POLL_AHEAD || urgent) {
         pthread_mutex_unlock(&q->lock);
         return 0;
     }
@@ -430,6 +439,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
         }
         clock_gettime(CLOCK_MONOTONIC, &now);
         if (!clq_before(&now, &due)) break;
+        sched_yield(); /* (the driver's worker may need this core: on 2 cores it often does) */
     }
     int done = 0;
     pthread_mutex_lock(&q->lock);
@@ -453,7 +463,12 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
                 q->count--;
                 tags[done++] = s.tag;
             }
-            if (done == 0) q->taking = 0;
+            if (done == 0) {
+                q->taking = 0;
+            } else {
+                q->polled = done;
+                q->poll_owner = pthread_self();
+            }
         }
     }
     q->poller--;
@@ -462,9 +477,20 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
     return done;
 }
 
+/* How many events the calling thread's last clq_poll() took that it has not reported yet
+   (clq_reported), 0 if none: its caller reports them even when an exception (a signal
+   handler's) came between the call and its own reading of the result. */
+int clq_polled(clq_t *q) {
+    pthread_mutex_lock(&q->lock);
+    int n = q->polled && pthread_equal(q->poll_owner, pthread_self()) ? q->polled : 0;
+    pthread_mutex_unlock(&q->lock);
+    return n;
+}
+
 /* The events a clq_wait() or clq_poll() call took are reported: the token goes back. */
 void clq_reported(clq_t *q) {
     pthread_mutex_lock(&q->lock);
+    q->polled = 0;
     q->taking = 0;
     pthread_cond_broadcast(&q->token);
     pthread_mutex_unlock(&q->lock);

@@ -12,5 +12,6 @@ void *clq_gate(clq_t *q);
 void clq_open(clq_t *q);
 int clq_gated(clq_t *q);
 int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *status, double *seconds, int64_t *tags);
+int clq_polled(clq_t *q);
 void clq_reported(clq_t *q);
 void clq_close(clq_t *q);
