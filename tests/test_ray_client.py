@@ -135,7 +135,8 @@ def _store_only(monkeypatch: pytest.MonkeyPatch) -> None:
 def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Connections probing from now on copy this way (``staging.DIRECT``: as the host allows;
     ``STAGED``: the host may not read the client's memory, as under Yama's ptrace_scope 1;
-    ``STORE``: neither)."""
+    ``STORE``: neither); but for ``DIRECT``, hosts may not write each other's memory either
+    (``copy_from`` between them goes through the store)."""
     real = Host.stage
 
     async def stage(self: Host, client: str, where: Any, token: bytes) -> bool:
@@ -143,7 +144,12 @@ def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
             return False
         return await real(self, client, where, token)
 
+    async def write_to(self: Host, client: str, ref: Any, there: Any) -> bool:
+        return False
+
     monkeypatch.setattr(Host, "stage", stage)
+    if mode != staging.DIRECT:
+        monkeypatch.setattr(Host, "write_to", write_to)
 
 
 @pytest.mark.parametrize("nbytes", [256, 1 << 20])
@@ -198,19 +204,34 @@ async def test_large_copies_on_one_machine_skip_the_store_ordered_as_any_copy(
     await dev.aclose()
 
 
-async def test_copy_from_another_host_moves_the_bytes_host_to_host(stand_in: StandIn) -> None:
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STORE])
+async def test_copy_from_another_host_moves_the_bytes_host_to_host(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    _copies(monkeypatch, mode)
+    one, dev = _own_device(stand_in, anyio_backend, f"h2h-{mode}")
+    two = _own_host(stand_in, anyio_backend, f"h2h-other-{mode}")
     x = np.random.default_rng(3).integers(-(2**31), 2**31, 1 << 16, dtype=np.int32)
-    src = await filled_buffer("RAY:s1/CPU:6", x)
-    for name in ("RAY:s1/CPU:7", "RAY:s2/CPU:6"):  # same host, then another host
+    src = await filled_buffer(dev.name, x)
+    # (reads and writes asked of the source host: one copy, the source host writing the
+    # destination's memory; or, once refused that, through the store, and not asked again)
+    direct = mode == staging.DIRECT
+    steps = [
+        (f"RAY:{one}/CPU:7", (0, 0)),  # (the same host: one copy there)
+        (f"RAY:{two}/CPU:6", (0, 1) if direct else (1, 1)),
+        (f"RAY:{two}/CPU:6", (0, 1) if direct else (1, 0)),
+    ]
+    for name, asked in steps:
         dst = await Buffer(name, x.size, dtypes.int32).allocate()
         copies = src.device_obj.queues["copy"].timeline.submitted
-        reads = stand_in.calls.get("read", 0)
+        calls = [stand_in.calls.get(k, 0) for k in ("read", "write_to")]
         await dst.copy_from(src)
         assert src.device_obj.queues["copy"].timeline.submitted == copies  # never staged here
-        assert stand_in.calls.get("read", 0) == reads + (name.startswith("RAY:s2"))
+        after = [stand_in.calls.get(k, 0) for k in ("read", "write_to")]
+        assert (after[0] - calls[0], after[1] - calls[1]) == asked
         assert (await dst.numpy()).tobytes() == x.tobytes()
-        await dst.free()
-    await src.free()
+        await dst.device_obj.aclose()
+    await dev.aclose()
 
 
 async def test_a_failing_command_names_the_host_and_is_sticky_until_reset(stand_in: StandIn) -> None:
@@ -313,14 +334,18 @@ async def test_large_copies_move_in_pieces_a_call_each_bit_exact(
     await buf.copyout(out)
     assert stand_in.calls["run"] - calls == 5
     assert out.tobytes() == x.tobytes()
-    far = await Buffer("RAY:s2/CPU:6", nbytes, dtypes.uint8).allocate()
-    reads = stand_in.calls.get("read", 0)
+    far_host = _own_host(stand_in, anyio_backend, f"far-{mode}")
+    far = await Buffer(f"RAY:{far_host}/CPU", nbytes, dtypes.uint8).allocate()
+    reads, writes = stand_in.calls.get("read", 0), stand_in.calls.get("write_to", 0)
     await far.copy_from(buf)
-    assert stand_in.calls["read"] - reads == 5
+    if mode == staging.DIRECT:  # (the source host writes the destination's memory: one call)
+        assert (stand_in.calls.get("read", 0) - reads, stand_in.calls["write_to"] - writes) == (0, 1)
+    else:  # (refused once, then a read of each piece)
+        assert (stand_in.calls["read"] - reads, stand_in.calls["write_to"] - writes) == (5, 1)
     assert (await far.numpy()).tobytes() == x.tobytes()
     assert len(dev.conn.staging._free) == (2 if mode == staging.STAGED else 0)  # (two in flight at most)
     await buf.free()
-    await far.free()
+    await far.device_obj.aclose()
     await dev.aclose()
 
 

@@ -69,6 +69,7 @@ class Host:
         self._next: dict[str, int] = {}  # client -> the batch whose turn it is
         self._turn = asyncio.Condition()
         self._peers: dict[str, Any] = {}  # other hosts' handles, by name
+        self._no_direct: set[str] = set()  # peers that may not write this process's memory
         self._staging = Mappings()  # clients' staging segments mapped here
         self._ops: dict[int, Callable[[str, Buffers, Pending, Command], Awaitable[Any]]] = {
             wire.ALLOC: self._alloc,
@@ -215,6 +216,22 @@ class Host:
             raise error.with_traceback(None) from None  # (a stored error: raised at each such read)
         return await self._export(buf)
 
+    async def write_to(self, client: str, ref: Ref, there: Direct) -> bool:
+        """Copy one of ``client``'s buffers straight into another host's memory ``there`` (for
+        that host's ``copy_from``), after the buffer's pending writes; False, copying nothing,
+        when this host may not write that process's memory."""
+        try:
+            buf = _buffer(self._bufs.get(client, {}), ref)
+        except _NotHere as exc:
+            error = self._explain(client, exc)
+            raise error.with_traceback(None) from None
+        view = np.frombuffer(await buf.as_memoryview(), np.uint8)
+        try:
+            await anyio.to_thread.run_sync(direct_copy, there, address(view), buf.nbytes, True)
+        except OSError:
+            return False
+        return True
+
     def _failure(self, client: str, exc: Exception) -> Any:
         """The reply entry of a command that failed with ``exc``; never raises (an error that
         does not even format still fails only its own command)."""
@@ -336,6 +353,9 @@ class Host:
         pieces = [(k, min(wire.CHUNK_BYTES, nbytes - k)) for k in range(0, nbytes, wire.CHUNK_BYTES)]
         ahead = wire.PIECES_IN_FLIGHT
         try:
+            direct = src_host not in self._no_direct
+            if direct and await self._fetch_direct(src_host, peer, src_client, dst, bufs, src):
+                return 0.0
             reads = [peer.read.remote(src_client, (rid, size, offset + k)) for k, size in pieces[:ahead]]
             for n, (k, size) in enumerate(pieces):
                 payload = await store.wait(reads[n])
@@ -350,6 +370,27 @@ class Host:
             self._peers.pop(src_host, None)  # (a host of that name may be started again)
             raise
         return 0.0
+
+    async def _fetch_direct(
+        self, src_host: str, peer: Any, src_client: str, dst: Ref, bufs: Buffers, src: Ref
+    ) -> bool:
+        """``copy_from`` as one copy: the source host writes straight into the destination
+        buffer's memory (after every pending use of it), when that is host memory and the
+        source host may write this process; False when not (the caller copies through the
+        object store; a refused peer is remembered)."""
+        if src[1] <= wire.INLINE_BYTES:
+            return False
+        buf = _buffer(bufs, dst)
+        for sig in buf.pending():
+            await sig.wait()
+        view = buf.device_obj.allocator._as_memoryview(buf.handle(), buf.nbytes)
+        if view is None:
+            return False
+        there = Direct.here(address(np.frombuffer(view, np.uint8)))
+        if await wire.STORE.wait(peer.write_to.remote(src_client, src, there)):
+            return True
+        self._no_direct.add(src_host)
+        return False
 
     async def _export(self, buf: Buffer) -> Any:
         """``buf``'s bytes after its pending writes: a copy when small, else ``[ref]`` of one
