@@ -16,8 +16,12 @@ memory is reused from the first repetition on). Medians over the repetitions; as
   turn, the last awaited; round trip: one launch awaited (the median of the 200 calls made in
   turn with the anchor's).
 - copyin / copyout: ``Buffer.copyin`` / ``copyout`` of 64 MiB between a numpy array here and a
-  buffer of ``RAY:b1/CPU``; the stall row is the longest a 1 ms sleep on the loop overslept
-  during the copyin (what the copy took from other tasks).
+  buffer of ``RAY:b1/CPU``, the way the connection's probe chose (printed above the table:
+  ``direct`` where the host may read and write this process's memory); the stall row is the
+  longest a 1 ms sleep on the loop overslept during the copyin (what the copy took from other
+  tasks). The staged and object-store rows: the same copies with the connection's way set to
+  ``staged`` (a shared-memory segment, two copies) and ``store`` (``ray.put`` / ``get``, two
+  copies), as where the host may not (another user, Yama's ptrace_scope, another machine).
 - ray.put: one ``ray.put`` of the same array (the object store's own put: one copy into the
   store); ray.get into an array: ``ray.get`` of that object (zero-copy, it is mapped here) and
   ``np.copyto`` into the destination array: one copy. The issue's targets compare the copies
@@ -26,7 +30,8 @@ memory is reused from the first repetition on). Medians over the repetitions; as
   an actor that copies the array into memory of its own (two copies, as a copyin); its put is
   reported below it. Bare Ray copyout: the actor puts its memory, ``ray.get`` here and
   ``np.copyto`` into the array (two copies, as a copyout); the actor's put is reported below.
-- copy_from host to host: ``copy_from`` from that buffer into one of ``RAY:b2/CPU``.
+- copy_from host to host: ``copy_from`` from that buffer into one of ``RAY:b2/CPU`` (one copy,
+  the source host writing the destination's memory, where it may; else through the store).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import ray  # noqa: E402
 
 from aiotinyrt import Buffer, Device, dtypes  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
-from aiotinyrt.ray import wire  # noqa: E402
+from aiotinyrt.ray import staging, wire  # noqa: E402
 
 KERNEL = "void k(float* restrict a, const float* restrict b) { a[0] = b[0] + 1.0f; }"
 MiB = 1 << 20
@@ -232,6 +237,13 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         add(f"copyin {copy_mib} MiB (GB/s)", gbs / await _watched(lambda: big.copyin(host), stall))
         add("longest event-loop stall during that copyin (ms)", stall[0] * 1e3)
         add(f"copyout {copy_mib} MiB (GB/s)", gbs / await timed(lambda: big.copyout(out)))
+        conn = dev.conn  # type: ignore[attr-defined]
+        probed = conn.staging.mode
+        for mode in (staging.STAGED, staging.STORE):
+            conn.staging.mode = mode
+            add(f"  copyin {mode} (GB/s)", gbs / await timed(lambda: big.copyin(host)))
+            add(f"  copyout {mode} (GB/s)", gbs / await timed(lambda: big.copyout(out)))
+        conn.staging.mode = probed
         start = time.perf_counter()
         ref = ray.put(host)
         put_s = time.perf_counter() - start
@@ -255,7 +267,7 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     chunk = wire.CHUNK_BYTES // MiB
     print(f"bench/ray.py: {reps} repetitions, medians; Ray {ray.__version__}, {os.cpu_count()} cores")
-    print(f"copies in pieces of {chunk} MiB")
+    print(f"copies in pieces of {chunk} MiB, {dev.conn.staging.mode} (the connection's probe)")  # type: ignore[attr-defined]
     print(f"load average at the end (1 / 5 / 15 min): {load}\n")
     print("| row | median | vs bare actor call / the object store |")
     print("|---|---|---|")
@@ -263,11 +275,11 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         ratio = f"{anchor / value:.1f}× the rate" if "µs" in row else ""
         if "round trip" in row:
             ratio = f"{value / anchor:.2f}× one call"
-        elif row.startswith("copyin"):
+        elif row.lstrip().startswith("copyin"):
             ratio = f"{value / put:.0%} of ray.put; {value / like_in:.0%} of bare Ray's"
         elif row.startswith("copy_from"):
             ratio = f"{value / put:.0%} of ray.put"
-        elif row.startswith("copyout"):
+        elif row.lstrip().startswith("copyout"):
             ratio = (
                 f"{value / get:.0%} of ray.get into an array; {value / like_out:.0%} of bare Ray's copyout"
             )
