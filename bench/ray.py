@@ -30,6 +30,11 @@ memory is reused from the first repetition on). Medians over the repetitions; as
   an actor that copies the array into memory of its own (two copies, as a copyin); its put is
   reported below it. Bare Ray copyout: the actor puts its memory, ``ray.get`` here and
   ``np.copyto`` into the array (two copies, as a copyout); the actor's put is reported below.
+- bare Ray direct copyin / copyout: the best pattern of this machine, written with bare Ray
+  and no stream: a call of the actor that copies this process's array into its memory with
+  ``process_vm_readv`` (``staging.direct_copy``: two threads), or writes its memory into the
+  array here with ``process_vm_writev``: one round trip and one copy, the ceiling of the direct
+  way.
 - copy_from host to host: ``copy_from`` from that buffer into one of ``RAY:b2/CPU`` (one copy,
   the source host writing the destination's memory, where it may; else through the store).
 """
@@ -68,6 +73,8 @@ MiB = 1 << 20
 STORE_BYTES = 1 << 30
 LIKE_IN = "bare Ray copyin: ray.put here, an actor copies it into its memory (GB/s)"
 LIKE_OUT = "bare Ray copyout: an actor puts its memory, ray.get here into an array (GB/s)"
+DIRECT_IN = "bare Ray direct copyin: an actor copies the array here into its memory (GB/s)"
+DIRECT_OUT = "bare Ray direct copyout: an actor writes its memory into the array here (GB/s)"
 
 
 @ray.remote(num_cpus=0)
@@ -87,6 +94,18 @@ class Bare:
     async def take(self, refs: list[Any]) -> None:
         """What a copyin does on a host: read the put array zero-copy, copy it into memory."""
         np.copyto(self.memory, await refs[0])
+
+    async def pull(self, there: Any) -> None:
+        """The direct way's best pattern: copy the caller's array into memory (one kernel copy)."""
+        await asyncio.to_thread(
+            staging.direct_copy, there, staging.address(self.memory), self.memory.nbytes, False
+        )
+
+    async def push(self, there: Any) -> None:
+        """The direct way's best pattern: write memory into the caller's array."""
+        await asyncio.to_thread(
+            staging.direct_copy, there, staging.address(self.memory), self.memory.nbytes, True
+        )
 
     async def give(self) -> tuple[list[Any], float]:
         """What a copyout does on a host: put its memory, hand back the ref (and the put's
@@ -257,6 +276,10 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         add("  its ray.put here (GB/s)", gbs / parts.pop())
         add(LIKE_OUT, gbs / await timed(lambda: _give(bare, out, parts)))
         add("  its ray.put in the actor (GB/s)", gbs / parts.pop())
+        there_in = staging.Direct.here(staging.address(host))
+        add(DIRECT_IN, gbs / await timed(lambda there=there_in: bare.pull.remote(there)))
+        there_out = staging.Direct.here(staging.address(out))
+        add(DIRECT_OUT, gbs / await timed(lambda there=there_out: bare.push.remote(there)))
         add(f"copy_from host to host {copy_mib} MiB (GB/s)", gbs / await timed(lambda: far.copy_from(big)))
 
     anchor = statistics.median(rows["bare actor call, one after another (µs/call)"])
@@ -275,6 +298,12 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         ratio = f"{anchor / value:.1f}× the rate" if "µs" in row else ""
         if "round trip" in row:
             ratio = f"{value / anchor:.2f}× one call"
+        elif row in (DIRECT_IN, DIRECT_OUT):
+            ratio = (
+                f"{value / put:.0%} of ray.put"
+                if row == DIRECT_IN
+                else f"{value / get:.0%} of ray.get into an array"
+            )
         elif row.lstrip().startswith("copyin"):
             ratio = f"{value / put:.0%} of ray.put; {value / like_in:.0%} of bare Ray's"
         elif row.startswith("copy_from"):
