@@ -277,6 +277,13 @@ class _QueueDriver:
             if data.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
                 return cid
+            if conn.staging.mode == staging.DIRECT:  # (one command in the batch: no store memory)
+                lease = _Lease(conn)
+                lease.kept = data
+                there = staging.Direct.here(staging.address(data))
+                cmd = (wire.COPYIN, cid, tuple(dest), there, list(waits))
+                conn.submit(cmd, _reply(dev, done, None, lease))
+                return cid
             # staged (or put) piece by piece by the sender thread: the host copies one piece in
             # while the next is staged (at most ``PIECES_IN_FLIGHT`` in flight)
             pieces = _pieces(data.nbytes)
@@ -296,6 +303,13 @@ class _QueueDriver:
             out, src = args
             if src.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
+                return cid
+            if conn.staging.mode == staging.DIRECT:
+                lease = _Lease(conn)
+                lease.kept = np.frombuffer(out, np.uint8)
+                there = staging.Direct.here(staging.address(lease.kept))
+                cmd = (wire.COPYOUT, cid, tuple(src), list(waits), there)
+                conn.submit(cmd, _reply(dev, done, out, lease))
                 return cid
             # piece by piece, a call each: this process copies one piece out while the host
             # copies (or puts) the next (sent by the sender thread: at most ``PIECES_IN_FLIGHT``)
