@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices  # noqa: E402
 from aiotinyrt import ray as airay  # noqa: E402
+from aiotinyrt.ray import staging, wire  # noqa: E402
 from tests.helpers import filled_buffer, loop_name  # noqa: E402
 from tests.ray_cluster import STORE_BYTES  # noqa: E402
 
@@ -197,6 +198,45 @@ async def test_copy_from_host_to_host(host: str) -> None:
         await dst.copyout(out)
         assert np.array_equal(out, x)
         await dst.free()
+    await src.free()
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED, staging.STORE])
+async def test_large_copies_are_bit_exact_every_way_between_processes(
+    host: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 1 << 20)  # (staged and store copies: four pieces)
+    nbytes = (3 << 20) + 12_345
+    dev = Device[f"RAY:{host}/CPU"]
+    conn = dev.conn  # type: ignore[attr-defined]
+    probe = await filled_buffer(dev.name, np.zeros(1 << 20, np.uint8))  # (the connection probes)
+    assert conn.staging.mode in (staging.DIRECT, staging.STAGED)  # (the host is on this machine)
+    if mode == staging.DIRECT and conn.staging.mode != staging.DIRECT:
+        pytest.skip("the host may not read this process's memory here (ptrace access)")
+    probed, conn.staging.mode = conn.staging.mode, mode
+    try:
+        x = np.random.default_rng(12).integers(0, 256, nbytes, dtype=np.uint8)
+        buf = await filled_buffer(dev.name, x)
+        out = np.zeros(nbytes, np.uint8)
+        await buf.copyout(out)
+        assert out.tobytes() == x.tobytes()
+        await buf.free()
+    finally:
+        conn.staging.mode = probed
+        await probe.free()
+
+
+async def test_a_large_copy_from_another_host_is_bit_exact(host: str) -> None:
+    other = "t2"
+    if other not in airay.running_hosts():
+        actor = airay.start_host(other)
+        await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
+    x = np.random.default_rng(13).integers(0, 256, (2 << 20) + 7, dtype=np.uint8)
+    src = await filled_buffer(f"RAY:{host}/CPU", x)
+    dst = await Buffer(f"RAY:{other}/CPU", x.size, dtypes.uint8).allocate()
+    await dst.copy_from(src)
+    assert (await dst.numpy()).tobytes() == x.tobytes()
+    await dst.free()
     await src.free()
 
 
