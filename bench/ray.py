@@ -2,7 +2,7 @@
 
     python bench/ray.py            # 7 repetitions, 10,000 pipelined launches, 64 MiB copies
     python bench/ray.py --quick    # 3 repetitions, 2,000 launches, 16 MiB copies
-    python bench/ray.py --chunk-mib 16   # copies in pieces of 16 MiB (default: wire.CHUNK_BYTES)
+    python bench/ray.py --chunk-mib 16   # staged and store copies in pieces of 16 MiB
     python bench/ray.py --only roundtrip [--reps N]   # the launch rows, and where a round trip goes
 
 The cluster is the bench's own (``address="local"``: 2 CPUs, a 1 GiB object store, so store
@@ -361,7 +361,7 @@ async def _watched(fn: Callable[[], Awaitable[object]], stall: list[float]) -> f
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--chunk-mib", type=int, default=None, help="the copies' piece size")
+    parser.add_argument("--chunk-mib", type=int, default=None, help="the staged and store copies' piece size")
     parser.add_argument("--only", choices=["roundtrip"], help="the launch rows and a round trip's breakdown")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 7, --quick 3)")
     args = parser.parse_args()

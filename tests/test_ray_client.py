@@ -846,6 +846,28 @@ async def test_a_direct_copy_is_a_command_of_its_loop_turns_call(
     await dev.aclose()
 
 
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED, staging.STORE])
+async def test_a_cancelled_wait_on_a_large_copyout_leaves_the_copy_to_complete(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"cancelled-{mode}")
+    x = np.random.default_rng(14).integers(0, 256, 1 << 20, dtype=np.uint8)
+    buf = await filled_buffer(dev.name, x)  # (probed)
+    stand_in.pause(name)  # (the copy waits on the host)
+    out = np.zeros(x.size, np.uint8)
+    sig = buf._enqueue_copy(memoryview(out), into=False)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await sig
+    assert not sig.done()
+    stand_in.resume(name)
+    with anyio.fail_after(30):
+        await dev.synchronize()
+    assert out.tobytes() == x.tobytes()  # (the copy went on into the memory it was given)
+    await dev.aclose()
+
+
 async def test_segments_beyond_the_kept_bytes_close_and_the_host_drops_their_mappings(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
 ) -> None:
