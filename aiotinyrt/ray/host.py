@@ -10,14 +10,17 @@ real Buffers and Programs, whose access records order them as on a local device;
 wait list is awaited in line, so nothing later is submitted before it is done. The reply is
 sent once every command of the batch completed.
 
-Bytes: a large copy of a client on this machine names a staging segment of the client's
-(:mod:`aiotinyrt.ray.staging`), mapped here at its first use: a copyin is the buffer's copyin
-from it, a copyout the buffer's copyout into it (ordered as any copy, on the device's copy
-queue). Otherwise a copyin's array arrives in the call (Ray put it in the object store; here it
+Bytes (:mod:`aiotinyrt.ray.staging`): a large copy of a client on this machine names the
+client's memory (direct: one copy between it and the buffer with ``process_vm_readv`` /
+``process_vm_writev``, in line, a copyin after every pending use of the buffer, a copyout after
+its pending writes) or a staging segment of the client's, mapped here at its first use (a
+copyin is the buffer's copyin from it, a copyout the buffer's copyout into it, ordered as any
+copy). Otherwise a copyin's array arrives in the call (Ray put it in the object store; here it
 is read zero-copy) and is copied once, into the buffer, and a copyout is one copy: ``put`` of a
 zero-copy view of the buffer, taken after its pending writes and before anything later is
 submitted; the reply carries the ref, not the bytes. A host-to-host ``copy_from`` is the
-destination host asking the source host for such a ref, then one copy in.
+source host writing the destination buffer's memory (direct), or else the destination host
+asking the source host for such refs, then one copy in each.
 """
 
 from __future__ import annotations
