@@ -42,6 +42,8 @@
 #include "clq.h"
 
 #define CLQ_NO_WAKE INT64_MAX /* clq_set_wake: nobody waits (aiotinyrt.native.NO_WAKE) */
+#define CLQ_WAITER 1          /* the token's holder: clq_wait's caller ... */
+#define CLQ_POLLER 2          /* ... or a clq_poll caller */
 
 typedef int32_t cl_int;
 typedef uint32_t cl_uint;
@@ -68,7 +70,7 @@ struct clq {
     pthread_mutex_t lock;
     pthread_cond_t more;
     pthread_cond_t token; /* `taking` and `poller` went to 0 */
-    int taking;           /* a taker holds the token (see the top of the file) */
+    int taking;           /* who holds the token (see the top of the file): 0, CLQ_WAITER, CLQ_POLLER */
     int poller;           /* a clq_poll() caller waits for the token or its event */
     int polled;           /* the events the token's poller took (its thread: poll_owner) */
     pthread_t poll_owner;
@@ -291,7 +293,7 @@ static int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
    meanwhile ends the hold at once.
 
    A call that takes events holds the token (see the top of the file): call clq_reported()
-   once they are reported. It waits for the token after its wait for the oldest event (a
+   once they are reported (the next clq_wait call gives it back too). It waits for the token after its wait for the oldest event (a
    poller may have taken that event: it then waits for the next), and ends a hold at once
    when a poller wants the token.
 
@@ -304,6 +306,10 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
     int done = 0, now_please = 0;
     struct timespec due = {0, 0}, next;
     pthread_mutex_lock(&q->lock);
+    if (q->taking == CLQ_WAITER) { /* (its caller reported the last batch: calling again says so) */
+        q->taking = 0;
+        pthread_cond_broadcast(&q->token);
+    }
     for (;;) {
         if (done == 0) {
             for (;;) { /* a batch's gate first (its commands cannot complete before it is set) */
@@ -345,7 +351,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
             int mine = q->count > 0 && q->ring[q->head].event == first;
             q->release(first);
             if (!mine) continue; /* a poller took it: wait for the next one */
-            q->taking = 1;
+            q->taking = CLQ_WAITER;
         }
         while (done < max && q->count > 0) { /* only this thread takes events: the prefix stays */
             struct slot s = q->ring[q->head];
@@ -451,7 +457,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
             if (!clq_before(&now, &due) || pthread_cond_timedwait(&q->token, &q->lock, &due) != 0) break;
         }
         if (!q->taking) {
-            q->taking = 1;
+            q->taking = CLQ_POLLER;
             while (done < max && q->count > 0 && !q->ring[q->head].urgent) {
                 struct slot s = q->ring[q->head];
                 pthread_mutex_unlock(&q->lock);
