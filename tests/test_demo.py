@@ -82,6 +82,16 @@ def test_weights_read_without_numpy_equal_numpy() -> None:
     assert len(test) == 360 and set(test.labels) == set(range(10))
 
 
+def test_every_subpackage_is_installed() -> None:
+    """``pip install .`` installs only the packages pyproject.toml lists: each folder of the
+    package with an ``__init__.py`` must be one of them (or its modules are missing there)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "aiotinyrt").rglob("__init__.py")
+    }
+    assert found - listed == set()
+
+
 def test_weights_are_package_data() -> None:
     """``pip install .`` must install aiotinyrt/data/digits_mlp.npz, or the demo cannot run."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
