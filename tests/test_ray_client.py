@@ -920,10 +920,65 @@ async def test_a_dropped_connection_closes_its_segments_and_the_host_drops_their
 def test_a_direct_copy_never_touches_a_process_that_is_not_the_client_it_names() -> None:
     here = np.zeros(16, np.uint8)
     there = np.arange(16, dtype=np.uint8)
-    real = staging.Direct.here(staging.address(there))
+    real = staging.Direct.here(staging.address(there), 16)
     staging.direct_copy(real, staging.address(here), 16, write=False)
     assert here.tolist() == list(range(16))
     reused = real._replace(started="0")  # (the pid of a client that ended, now another process's)
     with pytest.raises(OSError, match="gone"):
         staging.direct_copy(reused, staging.address(here), 16, write=True)
     assert there.tolist() == list(range(16))
+    with pytest.raises(ValueError, match="16 bytes"):  # (never more than the memory named)
+        staging.direct_copy(real, staging.address(np.zeros(32, np.uint8)), 32, write=True)
+    assert there.tolist() == list(range(16))
+
+
+async def _short_copies(device: str, other: str) -> list[bytes]:
+    """The allocator's copies with host memory (or a transfer's byte count) smaller than the
+    allocation, on ``device`` (a transfer from ``other``): each copies exactly that many bytes
+    at the start of the handle's range and touches nothing around it (the bytes that result)."""
+    big, small, head = 4 << 20, 1 << 20, 3000  # (large copies, and one small enough to go inline)
+    alloc = Device[device].allocator
+    handle = await alloc.alloc(big)
+    await alloc.copyin(handle, memoryview(np.full(big, 7, np.uint8)))
+    part = alloc._offset(handle, 2 * small, small)  # (a handle of the middle 2 MiB)
+    backing = np.full(big, 9, np.uint8)  # (the caller's memory, followed by bytes it does not pass)
+    backing[:small] = np.arange(small, dtype=np.uint8)
+    await alloc.copyin(part, memoryview(backing[:small]))
+    await alloc.copyin(handle, memoryview(backing[small - head : small]))
+    whole = np.zeros(big, np.uint8)
+    await alloc.copyout(memoryview(whole), handle)
+    guard = np.full(big, 0xAB, np.uint8)  # (a copyout writes its destination, nothing past it)
+    await alloc.copyout(memoryview(guard[:small]), part)
+    tiny = np.full(2 * head, 0xCD, np.uint8)
+    await alloc.copyout(memoryview(tiny[:head]), part)
+    source = Device[other].allocator
+    src = await source.alloc(big)
+    await source.copyin(src, memoryview(np.arange(big, dtype=np.uint32).view(np.uint8)[:big]))
+    dst = await alloc.alloc(big)
+    await alloc.copyin(dst, memoryview(np.full(big, 0xEE, np.uint8)))
+    await alloc.transfer(alloc._offset(dst, small, small), src, small, Device[other])  # (a part of
+    await alloc.transfer(dst, source._offset(src, small, 0), small // 2, Device[other])  # each)
+    moved = np.zeros(big, np.uint8)
+    await alloc.copyout(memoryview(moved), dst)
+    for h, n, owner in ((handle, big, alloc), (dst, big, alloc), (src, big, source)):
+        await owner.free(h, n)
+    return [whole.tobytes(), guard.tobytes(), tiny.tobytes(), moved.tobytes()]
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED, staging.STORE])
+async def test_copies_of_host_memory_smaller_than_the_allocation_move_only_its_bytes(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    # the allocator API copies ``len(host memory)`` bytes (a transfer its ``nbytes``) at the
+    # start of the handle's range: as the CPU backend does, every way of a RAY device does
+    _copies(monkeypatch, mode)
+    _, dev = _own_device(stand_in, anyio_backend, f"short-{mode}")
+    other = _own_host(stand_in, anyio_backend, f"short-other-{mode}")
+    expected = await _short_copies("CPU", "CPU:1")
+    got = await _short_copies(dev.name, f"RAY:{other}/CPU:6")
+    assert dev.conn.staging.mode == mode
+    names = ("copyin", "copyout", "small copyout", "transfer")
+    for name, mine, cpu in zip(names, got, expected, strict=True):
+        assert mine == cpu, name
+    await Device[f"RAY:{other}/CPU:6"].aclose()
+    await dev.aclose()

@@ -135,7 +135,7 @@ def _staged_copyin(
     mode = conn.copy_mode()
     if mode == staging.DIRECT:
         lease.kept = data
-        return (wire.COPYIN, cid, ref, staging.Direct.here(staging.address(data)), waits)
+        return (wire.COPYIN, cid, ref, staging.Direct.here(staging.address(data), data.nbytes), waits)
     seg = lease.segment = conn.lease(data.nbytes) if mode == staging.STAGED else None
     if seg is None:
         return (wire.COPYIN, cid, ref, [wire.STORE.put(data)], waits)
@@ -152,7 +152,7 @@ def _staged_copyout(
     mode = conn.copy_mode()
     if mode == staging.DIRECT:
         lease.kept = into
-        return (*cmd, staging.Direct.here(staging.address(into)))
+        return (*cmd, staging.Direct.here(staging.address(into), into.nbytes))
     seg = lease.segment = conn.lease(cmd[2][1]) if mode == staging.STAGED else None
     return cmd if seg is None else (*cmd, seg.staged)
 
@@ -274,13 +274,16 @@ class _QueueDriver:
         if func is RemoteAllocator._copyin:
             dest, src = args
             data = np.frombuffer(src, np.uint8)
+            # (the allocator's copyin moves ``len(src)`` bytes, at the start of the handle's
+            # range, which may be larger: the host copies exactly the bytes named here)
+            dest = RemoteHandle(dest.id, data.nbytes, dest.offset)
             if data.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYIN, cid, tuple(dest), data, list(waits)), _reply(dev, done))
                 return cid
             if conn.staging.mode == staging.DIRECT:  # (one command in the batch: no store memory)
                 lease = _Lease(conn)
                 lease.kept = data
-                there = staging.Direct.here(staging.address(data))
+                there = staging.Direct.here(staging.address(data), data.nbytes)
                 cmd = (wire.COPYIN, cid, tuple(dest), there, list(waits))
                 conn.submit(cmd, _reply(dev, done, None, lease))
                 return cid
@@ -301,13 +304,14 @@ class _QueueDriver:
             conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._copyout:
             out, src = args
+            src = RemoteHandle(src.id, memoryview(out).nbytes, src.offset)  # (as a copyin's)
             if src.nbytes <= wire.INLINE_BYTES:
                 conn.submit((wire.COPYOUT, cid, tuple(src), list(waits)), _reply(dev, done, out))
                 return cid
             if conn.staging.mode == staging.DIRECT:
                 lease = _Lease(conn)
                 lease.kept = np.frombuffer(out, np.uint8)
-                there = staging.Direct.here(staging.address(lease.kept))
+                there = staging.Direct.here(staging.address(lease.kept), lease.kept.nbytes)
                 cmd = (wire.COPYOUT, cid, tuple(src), list(waits), there)
                 conn.submit(cmd, _reply(dev, done, out, lease))
                 return cid
@@ -327,7 +331,8 @@ class _QueueDriver:
                 parts.append((make, window.replied(reply, lease)))
             conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._transfer:
-            dest, src, _nbytes, src_dev = args
+            dest, src, nbytes, src_dev = args
+            dest, src = RemoteHandle(dest.id, nbytes, dest.offset), RemoteHandle(src.id, nbytes, src.offset)
             if src_dev.conn is conn:
                 cmd = (wire.TRANSFER, cid, tuple(dest), tuple(src), list(waits))
             else:

@@ -228,6 +228,8 @@ class Host:
         except _NotHere as exc:
             error = self._explain(client, exc)
             raise error.with_traceback(None) from None
+        if there.nbytes != buf.nbytes:  # (never past the memory named)
+            raise ValueError(f"a copy of {buf.nbytes} bytes into {there.nbytes} bytes")
         view = np.frombuffer(await buf.as_memoryview(), np.uint8)
         try:
             await anyio.to_thread.run_sync(direct_copy, there, address(view), buf.nbytes, True)
@@ -318,7 +320,7 @@ class Host:
         if isinstance(data, list):  # (the ref of the client's put: read zero-copy)
             data = await wire.STORE.wait(data[0])
         elif isinstance(data, Staged):  # (the client's segment: mapped here)
-            data = self._staging.view(client, data)[: ref[1]]
+            data = self._staging.view(client, _fits(data, ref))[: ref[1]]
         await _buffer(bufs, ref).copyin(data)
         return 0.0
 
@@ -329,7 +331,7 @@ class Host:
             await _direct(_buffer(bufs, ref), staged[0], write=True)
             return 0.0
         if staged:  # into the client's segment: the buffer's copyout, ordered as any
-            await _buffer(bufs, ref).copyout(self._staging.view(client, staged[0])[: ref[1]])
+            await _buffer(bufs, ref).copyout(self._staging.view(client, _fits(staged[0], ref))[: ref[1]])
             return 0.0
         return (0.0, None, await self._export(_buffer(bufs, ref)), None)
 
@@ -389,7 +391,7 @@ class Host:
         view = buf.device_obj.allocator._as_memoryview(buf.handle(), buf.nbytes)
         if view is None:
             return False
-        there = Direct.here(address(np.frombuffer(view, np.uint8)))
+        there = Direct.here(address(np.frombuffer(view, np.uint8)), buf.nbytes)
         if await wire.STORE.wait(peer.write_to.remote(src_client, src, there)):
             return True
         self._no_direct.add(src_host)
@@ -433,7 +435,10 @@ async def _direct(buf: Buffer, there: Direct, write: bool) -> None:
     """Copy between ``buf`` and the client's memory at ``there`` (into the client when
     ``write``), on a worker thread: a copyin after every pending use of the buffer, a copyout
     after its pending writes (awaited in line by the caller, so nothing later touches the buffer
-    meanwhile). A device whose memory is not host memory goes through a host array."""
+    meanwhile). A device whose memory is not host memory goes through a host array.
+    ``ValueError``, copying nothing, unless ``there`` names exactly the buffer's bytes."""
+    if there.nbytes != buf.nbytes:
+        raise ValueError(f"a copy of {buf.nbytes} bytes, but the client named {there.nbytes} bytes")
     view: memoryview | None
     if write:
         view = await buf.as_memoryview()  # (zero-copy on CPU; elsewhere a copy, ordered)
@@ -445,6 +450,13 @@ async def _direct(buf: Buffer, there: Direct, write: bool) -> None:
     await anyio.to_thread.run_sync(direct_copy, there, address(here), buf.nbytes, write)
     if view is None:
         await buf.copyin(here)
+
+
+def _fits(staged: Staged, ref: Ref) -> Staged:
+    """``staged``, unless the copy of ``ref`` does not fit in that segment (``ValueError``)."""
+    if ref[1] > staged.size:
+        raise ValueError(f"a copy of {ref[1]} bytes through a staging segment of {staged.size} bytes")
+    return staged
 
 
 async def _waits(sigs: Pending, waits: Sequence[int]) -> None:

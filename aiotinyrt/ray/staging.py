@@ -74,21 +74,24 @@ class Staged(NamedTuple):
 
 
 class Direct(NamedTuple):
-    """Memory of the client on the wire: its pid, the address there, and the process's start
-    time (so that a process reusing the pid of a client that died is never written)."""
+    """Memory of the client on the wire: its pid, the address there, how many bytes of it the
+    copy moves (a host refuses a copy of any other size: it never reads or writes past the
+    memory the client named), and the process's start time (so that a process reusing the pid
+    of a client that died is never written)."""
 
     pid: int
     addr: int
+    nbytes: int
     started: str
 
     @staticmethod
-    def here(addr: int) -> Direct:
-        """This process's memory at ``addr``."""
+    def here(addr: int, nbytes: int) -> Direct:
+        """``nbytes`` of this process's memory at ``addr``."""
         global _SELF
         pid = os.getpid()
         if _SELF[0] != pid:  # (read once per process: a forked child reads its own)
             _SELF = (pid, _started(pid))
-        return Direct(pid, addr, _SELF[1])
+        return Direct(pid, addr, nbytes, _SELF[1])
 
 
 #: This process's pid and start time, once read.
@@ -131,7 +134,10 @@ def direct_copy(there: Direct, local: int, nbytes: int, write: bool) -> None:
     """Copy ``nbytes`` between ``local`` (this process) and the client's memory ``there``:
     into the client when ``write``, else out of it; in two threads from :data:`SPLIT_BYTES` on.
     ``OSError`` unless every byte moved, or when the process is not the client that sent
-    ``there`` (it ended, and its pid was reused)."""
+    ``there`` (it ended, and its pid was reused); ``ValueError``, copying nothing, when
+    ``nbytes`` is not the size of the memory ``there`` names."""
+    if nbytes != there.nbytes:
+        raise ValueError(f"a copy of {nbytes} bytes, but the client named {there.nbytes} bytes of its memory")
     if _started(there.pid) != there.started:
         raise OSError(f"process {there.pid} (a client) is gone")
     if nbytes < SPLIT_BYTES or (os.cpu_count() or 1) < 2:
@@ -227,7 +233,7 @@ class Staging:
         mode = STORE
         expected = token()
         mine = np.frombuffer(expected, np.uint8).copy()
-        if _VM_READ is not None and probe(Direct.here(address(mine)), expected):
+        if _VM_READ is not None and probe(Direct.here(address(mine), TOKEN_BYTES), expected):
             mode = DIRECT
         elif hasattr(os, "memfd_create"):
             seg = self.lease(TOKEN_BYTES)
