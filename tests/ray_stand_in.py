@@ -18,6 +18,8 @@ import pickle
 import threading
 from typing import Any
 
+from ray.exceptions import ActorDiedError, RayError
+
 from aiotinyrt.ray.host import Host
 
 
@@ -186,6 +188,17 @@ class StandIn:
         if host not in self._hosts:
             raise ValueError(f"no actor named {host!r}")
         return Handle(self, self._hosts[host])
+
+    def kill_actor(self, actor: Handle) -> None:
+        """Kill the host of ``actor`` (nothing if it is dead already, or was replaced)."""
+        host = actor._host
+        if self._hosts.get(host.name) is host:
+            self.kill(host.name)
+
+    def ended(self, error: BaseException) -> bool:
+        """Whether a call that failed with ``error`` is over: its host was killed, or the call
+        raised; not a Ray error that says the actor may still run (one a test raises)."""
+        return isinstance(error, (ActorDied, ActorDiedError)) or not isinstance(error, RayError)
 
     def hosts(self) -> list[str]:
         """The running hosts' names."""

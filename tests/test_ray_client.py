@@ -982,3 +982,87 @@ async def test_copies_of_host_memory_smaller_than_the_allocation_move_only_its_b
         assert mine == cpu, name
     await Device[f"RAY:{other}/CPU:6"].aclose()
     await dev.aclose()
+
+
+def _unavailable_once(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The next call whose result is waited for raises Ray's ActorUnavailableError (the RPC
+    broke; the actor may still run it), as a real call's ``ray.get`` may; the list gets it."""
+    from ray.exceptions import ActorUnavailableError
+
+    real, calls = stand_in.get, []
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if isinstance(ref, concurrent.futures.Future) and not calls:
+            calls.append(ref)
+            raise ActorUnavailableError("the actor is unavailable for the moment", None)
+        return real(ref, timeout)
+
+    monkeypatch.setattr(stand_in, "get", get)
+    return calls
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED])
+async def test_a_copy_whose_host_is_only_unavailable_fails_once_the_host_is_dead(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    # a host "unavailable for the moment" may still run the call, writing the caller's memory
+    # (or a segment) later: the copy is reported lost only once the host is known dead
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"unavailable-{mode}")
+    nbytes = 1 << 20
+    buf = await filled_buffer(dev.name, np.full(nbytes, 0x5A, np.uint8))  # (probed)
+    stand_in.pause(name)  # (the copy's call waits on the host: it has not run)
+    calls = _unavailable_once(stand_in, monkeypatch)
+    out = np.zeros(nbytes, np.uint8)
+    with anyio.fail_after(30):
+        with pytest.raises(DeviceError, match=f"host {name}: device lost"):
+            await buf.copyout(out)
+        assert name not in stand_in.hosts()  # (killed before the failure was reported)
+        out[:] = 0x11  # (the copy failed: the caller reuses its memory)
+        if name in stand_in.hosts():
+            stand_in.resume(name)
+        await anyio.to_thread.run_sync(concurrent.futures.wait, calls)  # (the call ended)
+    assert (out == 0x11).all()  # (nothing of the failed copy wrote it)
+    if mode == staging.STAGED:
+        assert len(dev.conn.staging._free) == dev.conn.staging.made  # (its segment came back)
+    stand_in.start(name)
+    await dev.reset()
+    again = await filled_buffer(dev.name, np.full(nbytes, 3, np.uint8))
+    await again.copyout(out)
+    assert (out == 3).all()
+    await dev.aclose()
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED])
+async def test_a_copy_whose_host_is_not_known_dead_in_time_keeps_its_memory_from_reuse(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    # the host could not be killed (or not confirmed dead in time): the copy fails, promptly,
+    # but the memory the host may still write stays out of reuse (the caller's kept alive,
+    # a segment closed, never leased again)
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"adrift-{mode}")
+    nbytes = 1 << 20
+    buf = await filled_buffer(dev.name, np.full(nbytes, 0x5A, np.uint8))  # (probed)
+    monkeypatch.setattr(stand_in, "kill_actor", lambda actor: None)
+    monkeypatch.setattr(stream, "DEATH_WAIT_S", 0.05)  # (a bound: never a wait that syncs)
+    stand_in.pause(name)
+    calls = _unavailable_once(stand_in, monkeypatch)
+    out = np.zeros(nbytes, np.uint8)
+    kept = len(client._QUARANTINED)
+    with anyio.fail_after(30):
+        with pytest.raises(DeviceError, match=f"host {name}: device lost"):
+            await buf.copyout(out)
+    conn = dev.conn
+    if mode == staging.DIRECT:
+        held = client._QUARANTINED[kept:]
+        assert len(held) == 1 and np.shares_memory(held[0], out)
+    else:
+        assert len(conn.staging._free) == conn.staging.made - 1  # (its segment is not reused)
+    stand_in.resume(name)
+    with anyio.fail_after(30):
+        await anyio.to_thread.run_sync(concurrent.futures.wait, calls)  # (the host ran it late)
+    stand_in.kill(name)
+    stand_in.start(name)
+    await dev.reset()
+    await dev.aclose()

@@ -24,7 +24,7 @@ from aiotinyrt.ray.client import (
     RemoteProgram,
 )
 from aiotinyrt.ray.host import HostActor, start_host
-from aiotinyrt.ray.wire import ACTOR_PREFIX, NAMESPACE, HostLost, RemoteError
+from aiotinyrt.ray.wire import ACTOR_PREFIX, NAMESPACE, HostAdrift, HostLost, RemoteError
 
 
 def running_hosts() -> list[str]:
@@ -39,6 +39,7 @@ __all__ = [
     "NAMESPACE",
     "_CONNECTIONS",
     "HostActor",
+    "HostAdrift",
     "HostLost",
     "RAYDevice",
     "RemoteAllocator",

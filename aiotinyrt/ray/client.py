@@ -40,7 +40,7 @@ from aiotinyrt.queue import Queue
 from aiotinyrt.ray import staging, wire
 from aiotinyrt.ray.staging import Segment
 from aiotinyrt.ray.stream import _CONNECTIONS, BATCH_LIMIT, Connection, Part, Reply, connection
-from aiotinyrt.ray.wire import Command, HostLost, RemoteError
+from aiotinyrt.ray.wire import Command, HostAdrift, HostLost, RemoteError
 from aiotinyrt.signal import DeviceError
 
 __all__ = ["BATCH_LIMIT", "_CONNECTIONS", "RAYDevice", "RemoteAllocator", "RemoteCompiler", "RemoteHandle"]
@@ -86,11 +86,24 @@ class _Lease:
         #: the caller's memory a direct copy names (alive until the reply)
         self.kept: np.ndarray[Any, Any] | None = None
 
-    def give_back(self) -> None:
-        self.kept = None
+    def give_back(self, error: BaseException | None = None) -> None:
+        """Let go of the memory the piece named (once its reply was handled). After a
+        :class:`~aiotinyrt.ray.wire.HostAdrift` the host may still write it: the caller's
+        memory is kept alive for good (:data:`_QUARANTINED`) and the segment closed, never
+        leased again."""
+        kept, self.kept = self.kept, None
         seg, self.segment = self.segment, None
-        if seg is not None:
+        if isinstance(error, HostAdrift):
+            if kept is not None:
+                _QUARANTINED.append(kept)
+            if seg is not None:
+                seg.close()
+        elif seg is not None:
             self.conn.staging.give_back(seg)
+
+
+#: Memory of callers that a host not known dead may still write (see ``_Lease.give_back``).
+_QUARANTINED: list[np.ndarray[Any, Any]] = []
 
 
 class _Window(threading.Semaphore):
@@ -113,7 +126,7 @@ class _Window(threading.Semaphore):
             finally:
                 if room:
                     room.clear()
-                    lease.give_back()
+                    lease.give_back(error)
                     self.release()
 
         return piece_replied
@@ -387,7 +400,7 @@ def _reply(device: RAYDevice, done: Done, out: Any = None, lease: _Lease | None 
                 view = np.frombuffer(out, np.uint8)
                 np.copyto(view, seg.array[: view.nbytes])  # (the host copied into the segment)
         finally:
-            lease.give_back()
+            lease.give_back(error)
         reply(result, error)
 
     if lease is not None:

@@ -15,6 +15,7 @@ import itertools
 import os
 import queue as _queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,8 +31,8 @@ except ImportError:  # (trio is optional)
     trio = None  # type: ignore[assignment]
 
 from aiotinyrt.ray import wire
-from aiotinyrt.ray.staging import Segment, Staging
-from aiotinyrt.ray.wire import Command, HostLost, RemoteError
+from aiotinyrt.ray.staging import Direct, Segment, Staged, Staging
+from aiotinyrt.ray.wire import Command, HostAdrift, HostLost, RemoteError
 from aiotinyrt.signal import DeviceError
 
 #: What a command's reply is handed to: ``(reply entry, error)``.
@@ -44,6 +45,10 @@ Load = tuple[tuple[str, str], Command]
 
 #: Commands per actor call at most: a loop turn submitting more sends a call every this many.
 BATCH_LIMIT = 1024
+
+#: Seconds a failed call that names this process's memory (a direct or staged copy) waits for
+#: the host, killed, to be known dead before its commands fail anyway (see ``_hand_replies``).
+DEATH_WAIT_S = 10.0
 
 
 class Connection:
@@ -255,6 +260,7 @@ class Connection:
                 _fail(replies, HostLost(self.lost))
                 return
             seq = self._seq + 1
+            cmds: list[Command] = []
             try:
                 cmds = [make()]
                 retired = self.staging.take_retired()
@@ -264,7 +270,7 @@ class Connection:
                 args = wire.encode(self.client, seq, cmds, refs=True)
             except Exception as exc:  # (the put failed: this part fails; its number still goes)
                 _fail(replies, exc)
-                replies, args = [], wire.encode(self.client, seq, [])
+                cmds, replies, args = [], [], wire.encode(self.client, seq, [])
         else:
             assert item.batch is not None and item.replies is not None
             replies = item.replies
@@ -272,12 +278,14 @@ class Connection:
                 _fail(replies, HostLost(self.lost))
                 return
             seq = self._seq + 1
+            cmds = item.batch
             try:
                 args = wire.encode(self.client, seq, item.batch)
             except Exception as exc:  # (the commands fail as they are; the number still goes)
                 _fail(replies, exc)
-                replies, args = [], wire.encode(self.client, seq, [])
+                cmds, replies, args = [], [], wire.encode(self.client, seq, [])
         self._seq = seq
+        exposed = self.actor if any(_names_memory(cmd) for cmd in cmds) else None
         try:
             ref: Any = self.actor.run.remote(*args)
         except Exception as exc:  # the number never reached the host: nothing later can run
@@ -290,7 +298,7 @@ class Connection:
             name = f"ray-{self.host}"
             self._waiter = threading.Thread(target=_wait_loop, args=waits, name=name, daemon=True)
             self._waiter.start()
-        self._inflight.put((ref, self._epoch, replies))
+        self._inflight.put((ref, self._epoch, replies, exposed))
 
     async def request(self, cmd: Command, device: str) -> Any:
         """Send ``cmd`` in the stream (after everything queued before it) and return its reply's
@@ -314,8 +322,18 @@ class Connection:
         return getattr(self.actor, method).remote(*args)
 
 
-#: A call in flight: its ref, the connection's epoch when sent, the replies of its commands.
-_InFlight = tuple[Any, int, list[Reply | None]]
+#: A call in flight: its ref, the connection's epoch when sent, the replies of its commands,
+#: and the actor it went to where one of them names this process's memory (else None).
+_InFlight = tuple[Any, int, list[Reply | None], Any]
+
+
+def _names_memory(cmd: Command) -> bool:
+    """Whether the host writes or reads this process's memory for ``cmd``: a direct or staged
+    copy (the host's run may go on writing it until the host is dead)."""
+    op = cmd[0]
+    if op == wire.COPYIN:
+        return isinstance(cmd[3], (Direct, Staged))
+    return op == wire.COPYOUT and len(cmd) > 4
 
 
 def _send_loop(wake: _queue.SimpleQueue[bool | None], ref: weakref.ref[Connection], staging: Staging) -> None:
@@ -355,9 +373,14 @@ def _wait_loop(
 
 
 def _hand_replies(
-    call: Any, epoch: int, replies: list[Reply | None], ref: weakref.ref[Connection], host: str
+    call: Any, epoch: int, replies: list[Reply | None], exposed: Any, ref: weakref.ref[Connection], host: str
 ) -> None:
-    """Wait for one call's reply and hand each command its result (or the host's loss)."""
+    """Wait for one call's reply and hand each command its result (or the host's loss).
+
+    A call that names this process's memory (``exposed``: its actor) and failed while its host
+    may still run it (Ray's ``ActorUnavailableError``, say) fails only once that host is known
+    dead: it is killed, and its death waited for (:data:`DEATH_WAIT_S` at most); past that,
+    its commands fail with :class:`HostAdrift`, whose leases keep the memory out of reuse."""
     try:
         results = wire.STORE.get(call)
     except Exception as exc:
@@ -366,7 +389,8 @@ def _hand_replies(
         if conn is not None and epoch == conn._epoch:  # (a late reply of a host reconnected
             conn.lost = lost  # from marks nothing)
         del conn
-        _fail(replies, HostLost(lost))
+        dead = exposed is None or wire.STORE.ended(exc) or _killed(exposed)
+        _fail(replies, HostLost(lost) if dead else HostAdrift(lost))
         return
     try:
         for reply, result in zip(replies, results, strict=True):
@@ -377,6 +401,24 @@ def _hand_replies(
                     _reply_failed(reply, exc)  # fails; the waiter goes on with the others
     except Exception as exc:  # (a reply not one entry per command): the rest fail
         _fail(replies, exc)
+
+
+def _killed(actor: Any) -> bool:
+    """Kill ``actor`` and wait until a call of it fails as a dead actor's (:data:`DEATH_WAIT_S`
+    at most): whether it is known dead. The waiter thread only."""
+    store = wire.STORE
+    with contextlib.suppress(Exception):
+        store.kill_actor(actor)
+    deadline = time.monotonic() + DEATH_WAIT_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            store.get(actor.ping.remote(), timeout=left)
+        except Exception as exc:
+            if store.ended(exc):
+                return True
+        else:  # (the kill has not taken yet)
+            threading.Event().wait(min(0.01, max(left, 0.0)))
+    return False
 
 
 def _stop(wake: _queue.SimpleQueue[bool | None], inflight: _queue.SimpleQueue[_InFlight | None]) -> None:

@@ -126,6 +126,12 @@ class HostLost(RuntimeError):
     """The device host's actor is gone (killed, its node lost)."""
 
 
+class HostAdrift(HostLost):
+    """The host's call failed without the host being known dead (Ray reported the actor
+    unavailable, and killing it was not confirmed in time): it may still run the call, so the
+    memory the call names (the caller's, a staging segment) is never reused."""
+
+
 class RemoteError(RuntimeError):
     """A command failed on the host; the message is the host's error."""
 
@@ -151,6 +157,16 @@ class Store(Protocol):
 
     async def wait(self, ref: Any) -> Any:
         """The value of ``ref``, awaited on a host's (asyncio) event loop."""
+        ...
+
+    def kill_actor(self, actor: Any) -> None:
+        """Kill the actor ``actor`` (its calls fail as its death's; it is not restarted)."""
+        ...
+
+    def ended(self, error: BaseException) -> bool:
+        """Whether a call whose result raised ``error`` runs no more: its actor is dead, or the
+        call itself raised; not when the actor is only unreachable for the moment (Ray's
+        ``ActorUnavailableError``, a lost connection: the call may still run)."""
         ...
 
 
@@ -180,6 +196,14 @@ class RayStore:
     async def wait(self, ref: Any) -> Any:
         """``await ref`` (Ray refs are awaitable on asyncio)."""
         return await ref
+
+    def kill_actor(self, actor: Any) -> None:
+        """``ray.kill(actor, no_restart=True)``."""
+        ray.kill(actor, no_restart=True)
+
+    def ended(self, error: BaseException) -> bool:
+        """``ActorDiedError`` (the actor is dead) or ``RayTaskError`` (the call raised)."""
+        return isinstance(error, (ray.exceptions.ActorDiedError, ray.exceptions.RayTaskError))
 
 
 def failure(host: str, exc: BaseException) -> tuple[float, str, None, BaseException | None]:
