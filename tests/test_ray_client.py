@@ -1066,3 +1066,24 @@ async def test_a_copy_whose_host_is_not_known_dead_in_time_keeps_its_memory_from
     stand_in.start(name)
     await dev.reset()
     await dev.aclose()
+
+
+async def test_a_probe_overtaken_by_a_reconnection_leaves_the_new_host_to_probe(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    # a probe of the old host that ends after a reconnection began sets no mode: copies to the
+    # new host wait for its own probe
+    _, dev = _own_device(stand_in, anyio_backend, "probe-overtaken")
+    conn = dev.conn
+
+    def probe(where: Any, token: bytes) -> bool:
+        conn.reconnect()  # (meanwhile, a reset reconnects)
+        return True
+
+    assert await anyio.to_thread.run_sync(conn.staging.probed, probe) == staging.DIRECT
+    assert conn.staging.mode is None
+    buf = await filled_buffer(dev.name, np.full(1 << 20, 4, np.uint8))  # (probes the new host)
+    out = np.empty(1 << 20, np.uint8)
+    await buf.copyout(out)
+    assert (out == 4).all() and conn.staging.mode == staging.DIRECT
+    await dev.aclose()

@@ -220,6 +220,8 @@ class Staging:
         self._next_id = 1
         #: DIRECT, STAGED or STORE; None until the probe of the current host ran
         self.mode: str | None = None
+        #: bumped (under the lock) whenever the mode is forgotten: a probe begun before sets none
+        self._generation = 0
         self.retired: list[int] = []  #: ids of closed segments the host may still map
         self.host: tuple[Any, str] | None = None  #: (actor, client id) that mapped segments
         self.closed = False
@@ -228,8 +230,10 @@ class Staging:
     def probed(self, probe: Callable[[Any, bytes], bool]) -> str:
         """:attr:`mode`, probing the host first if not yet (``probe(descriptor, token)``: whether
         the host read ``token`` there; a round trip each). The sender thread only."""
-        if self.mode is not None:
-            return self.mode
+        with self._lock:
+            if self.mode is not None:
+                return self.mode
+            generation = self._generation
         mode = STORE
         expected = token()
         mine = np.frombuffer(expected, np.uint8).copy()
@@ -244,7 +248,9 @@ class Staging:
                     self.give_back(seg)
                 else:
                     seg.close()
-        self.mode = mode
+        with self._lock:  # (a reconnection meanwhile: this was the old host's; the new one probes)
+            if self._generation == generation:
+                self.mode = mode
         return mode
 
     def lease(self, nbytes: int) -> Segment | None:
@@ -285,10 +291,18 @@ class Staging:
             ids, self.retired = self.retired, []
             return ids
 
+    def forget_mode(self) -> None:
+        """Probe again before the next large copy (any thread): a probe running now sets no
+        mode (the connection is being moved to another host)."""
+        with self._lock:
+            self.mode = None
+            self._generation += 1
+
     def reconnected(self) -> None:
         """The connection now talks to a new host: probe it; the old one's mappings are its own."""
         with self._lock:
             self.mode = None
+            self._generation += 1
             self.retired = []
             self.host = None
 

@@ -118,7 +118,7 @@ class Connection:
             if after is not None and self.reconnects != after:
                 return
             self.reconnects += 1
-            self.staging.mode = None  # (copies submitted from now on wait for the new host's probe)
+            self.staging.forget_mode()  # (copies submitted from now on wait for the new host's probe)
             self._close_batch()
             self.loaded = set()  # (what is submitted from now on goes to the new host)
             self._outbox.append(_Item(swap=(actor, client)))
