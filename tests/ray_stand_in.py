@@ -44,6 +44,7 @@ class Handle:
     def __init__(self, stand_in: StandIn, host: Host) -> None:
         self._stand_in = stand_in
         self._host = host
+        self._actor_id = id(host)  # (as a Ray handle's: the same for every handle of the host)
 
     def __getattr__(self, method: str) -> Any:
         stand_in, host = self._stand_in, self._host

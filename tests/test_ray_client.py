@@ -1068,6 +1068,74 @@ async def test_a_copy_whose_host_is_not_known_dead_in_time_keeps_its_memory_from
     await dev.aclose()
 
 
+def _runs_fail_unavailable(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, count: int) -> list[Any]:
+    """Command batches (``run`` calls) fail with Ray's ActorUnavailableError, each once
+    ``count`` of them were sent (so that they are all in flight when the first fails); other
+    calls (pings) run. The list gets the batches' futures."""
+    from ray.exceptions import ActorUnavailableError
+
+    real_call, real_get, runs, sent = stand_in.call, stand_in.get, [], threading.Event()
+
+    def call(host: Host, method: str, args: tuple[Any, ...]) -> Any:
+        fut = real_call(host, method, args)
+        if method == "run":
+            runs.append(fut)
+            if len(runs) == count:
+                sent.set()
+        return fut
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if any(ref is run for run in runs):
+            sent.wait(30)
+            raise ActorUnavailableError("the actor is unavailable for the moment", None)
+        return real_get(ref, timeout)
+
+    monkeypatch.setattr(stand_in, "call", call)
+    monkeypatch.setattr(stand_in, "get", get)
+    return runs
+
+
+async def test_failed_calls_of_one_host_share_its_kill_and_its_deadline(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    # three calls naming the client's memory fail at once, their host unavailable and its kill
+    # not taking: the first failure kills it; the others wait for the same verdict (the same
+    # deadline), not a DEATH_WAIT_S each in turn
+    _copies(monkeypatch, staging.DIRECT)
+    name, dev = _own_device(stand_in, anyio_backend, "one-verdict")
+    nbytes = 1 << 20
+    bufs = [await filled_buffer(dev.name, np.full(nbytes, 7, np.uint8)) for _ in range(3)]  # (probed)
+    kills: list[Any] = []
+    monkeypatch.setattr(stand_in, "kill_actor", kills.append)
+    monkeypatch.setattr(stream, "DEATH_WAIT_S", 1.0)  # (a bound: never a wait that syncs)
+    monkeypatch.setattr(stream, "BATCH_LIMIT", 1)  # (each copy a call of its own)
+    stand_in.pause(name)
+    runs = _runs_fail_unavailable(stand_in, monkeypatch, 3)
+    causes: list[Any] = []
+
+    async def copyout(buf: Buffer) -> None:
+        with pytest.raises(DeviceError) as failed:
+            await buf.copyout(np.zeros(nbytes, np.uint8))
+        causes.append(failed.value.cause)
+
+    start = time.monotonic()
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for buf in bufs:
+                tg.start_soon(copyout, buf)
+    took = time.monotonic() - start
+    assert len(runs) == 3 and len(kills) == 1
+    assert all(isinstance(cause, wire.HostAdrift) for cause in causes)
+    assert took < 2 * stream.DEATH_WAIT_S, took  # (one wait, not three in turn)
+    stand_in.resume(name)
+    with anyio.fail_after(30):
+        await anyio.to_thread.run_sync(concurrent.futures.wait, runs)  # (the host ran them late)
+    stand_in.kill(name)
+    stand_in.start(name)
+    await dev.reset()
+    await dev.aclose()
+
+
 async def test_a_probe_overtaken_by_a_reconnection_leaves_the_new_host_to_probe(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:

@@ -403,13 +403,60 @@ def _hand_replies(
         _fail(replies, exc)
 
 
+class _Verdict:
+    """Whether one actor, killed after a failed call that named this process's memory, is
+    known dead: decided once, by :data:`DEATH_WAIT_S` after the first such failure."""
+
+    __slots__ = ("dead", "deadline", "killed", "lock")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline  #: when the wait for its death ends (``time.monotonic``)
+        self.lock = threading.Lock()  #: held while its death is waited for
+        self.killed = False  #: the kill was asked
+        self.dead: bool | None = None  #: the verdict (None: not decided yet)
+
+
+#: The verdict of each actor that failed a call naming this process's memory, by actor id: the
+#: first such failure kills the actor; later ones (other calls, other connections) wait for the
+#: same verdict, until the same deadline at most.
+_VERDICTS: dict[Any, _Verdict] = {}
+_VERDICTS_LOCK = threading.Lock()
+
+
+def _actor_key(actor: Any) -> Any:
+    """What names ``actor`` (a Ray actor handle's actor id), the same for every handle of it."""
+    key = getattr(actor, "_actor_id", None)
+    return id(actor) if key is None else key
+
+
 def _killed(actor: Any) -> bool:
-    """Kill ``actor`` and wait until a call of it fails as a dead actor's (:data:`DEATH_WAIT_S`
-    at most): whether it is known dead. The waiter thread only."""
+    """Kill ``actor`` and wait until a call of it fails as a dead actor's: whether it is known
+    dead. One verdict per actor (:data:`_VERDICTS`): only its first failure kills it, and every
+    failure waits until :data:`DEATH_WAIT_S` after that first one at most. Waiter threads only."""
+    key = _actor_key(actor)
+    with _VERDICTS_LOCK:
+        verdict = _VERDICTS.get(key)
+        if verdict is None:
+            verdict = _VERDICTS[key] = _Verdict(time.monotonic() + DEATH_WAIT_S)
+    if verdict.dead is not None:
+        return verdict.dead
+    if not verdict.lock.acquire(timeout=max(verdict.deadline - time.monotonic(), 0.0)):
+        return bool(verdict.dead)  # (another waits for it still, past the deadline: not known dead)
+    try:
+        if verdict.dead is None:
+            if not verdict.killed:
+                verdict.killed = True
+                with contextlib.suppress(Exception):
+                    wire.STORE.kill_actor(actor)
+            verdict.dead = _dies(actor, verdict.deadline)
+        return verdict.dead
+    finally:
+        verdict.lock.release()
+
+
+def _dies(actor: Any, deadline: float) -> bool:
+    """Whether a call of ``actor`` fails as a dead actor's before ``deadline``."""
     store = wire.STORE
-    with contextlib.suppress(Exception):
-        store.kill_actor(actor)
-    deadline = time.monotonic() + DEATH_WAIT_S
     while (left := deadline - time.monotonic()) > 0:
         try:
             store.get(actor.ping.remote(), timeout=left)
