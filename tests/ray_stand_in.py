@@ -196,6 +196,10 @@ class StandIn:
         if self._hosts.get(host.name) is host:
             self.kill(host.name)
 
+    def died(self, error: BaseException) -> bool:
+        """Whether ``error`` is a killed host's (a call of it fails so)."""
+        return isinstance(error, (ActorDied, ActorDiedError))
+
     def ended(self, error: BaseException) -> bool:
         """Whether a call that failed with ``error`` is over: its host was killed, or the call
         raised; not a Ray error that says the actor may still run (one a test raises)."""

@@ -1136,6 +1136,91 @@ async def test_failed_calls_of_one_host_share_its_kill_and_its_deadline(
     await dev.aclose()
 
 
+def _pings_fail(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[Any]:
+    """Every call whose result is waited for fails at once: command batches (``run``) with
+    Ray's ActorUnavailableError, pings with ``error``. The list gets the batches' futures."""
+    from ray.exceptions import ActorUnavailableError
+
+    real_call, real_get, runs = stand_in.call, stand_in.get, []
+
+    def call(host: Host, method: str, args: tuple[Any, ...]) -> Any:
+        fut = real_call(host, method, args)
+        if method == "run":
+            runs.append(fut)
+        return fut
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if any(ref is run for run in runs):
+            raise ActorUnavailableError("the actor is unavailable for the moment", None)
+        if isinstance(ref, concurrent.futures.Future):
+            raise error
+        return real_get(ref, timeout)
+
+    monkeypatch.setattr(stand_in, "call", call)
+    monkeypatch.setattr(stand_in, "get", get)
+    return runs
+
+
+async def _copy_fails_while_pings_fail(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, tag: str, error: Exception
+) -> tuple[BaseException, int, float]:
+    """A direct copy of a host of its own fails (unavailable) while every ping fails with
+    ``error`` and the kill does not take: the copy's cause, the pings made, the seconds taken."""
+    _copies(monkeypatch, staging.DIRECT)
+    name, dev = _own_device(stand_in, anyio_backend, tag)
+    nbytes = 1 << 20
+    buf = await filled_buffer(dev.name, np.full(nbytes, 7, np.uint8))  # (probed)
+    monkeypatch.setattr(stand_in, "kill_actor", lambda actor: None)
+    stand_in.pause(name)
+    runs = _pings_fail(stand_in, monkeypatch, error)
+    pings = stand_in.calls.get("ping", 0)
+    start = time.monotonic()
+    with anyio.fail_after(30), pytest.raises(DeviceError) as failed:
+        await buf.copyout(np.zeros(nbytes, np.uint8))
+    took, pings = time.monotonic() - start, stand_in.calls.get("ping", 0) - pings
+    monkeypatch.undo()
+    stand_in.resume(name)
+    with anyio.fail_after(30):
+        await anyio.to_thread.run_sync(concurrent.futures.wait, runs)
+    stand_in.kill(name)
+    stand_in.start(name)
+    await dev.reset()
+    await dev.aclose()
+    return failed.value.cause, pings, took
+
+
+async def test_pings_of_a_host_waited_for_pause_between_them_when_they_fail(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    # the host unreachable: each ping fails at once (unavailable); the wait for its death
+    # pauses between pings all the same (it spun, a ping after another, until the deadline)
+    from ray.exceptions import ActorUnavailableError
+
+    wait = 0.2
+    monkeypatch.setattr(stream, "DEATH_WAIT_S", wait)  # (a bound: never a wait that syncs)
+    monkeypatch.setattr(stream, "PING_PAUSE_S", 0.01, raising=False)
+    error = ActorUnavailableError("the actor is unavailable for the moment", None)
+    cause, pings, _ = await _copy_fails_while_pings_fail(
+        stand_in, monkeypatch, anyio_backend, "ping-pause", error
+    )
+    assert isinstance(cause, wire.HostAdrift)
+    assert 1 <= pings <= wait / 0.01 + 2, pings
+
+
+async def test_a_ping_failing_with_no_actor_error_ends_the_wait_for_the_death_at_once(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    # a ping that fails with an error that is not an actor's tells nothing of the host, nor
+    # will the next: the wait ends at once, the host not known dead (it was taken as dead)
+    monkeypatch.setattr(stream, "DEATH_WAIT_S", 10.0)
+    error = RuntimeError("not an actor's error")
+    cause, pings, took = await _copy_fails_while_pings_fail(
+        stand_in, monkeypatch, anyio_backend, "ping-other", error
+    )
+    assert isinstance(cause, wire.HostAdrift)
+    assert pings == 1 and took < 10.0
+
+
 async def test_a_probe_overtaken_by_a_reconnection_leaves_the_new_host_to_probe(
     stand_in: StandIn, anyio_backend: Any
 ) -> None:

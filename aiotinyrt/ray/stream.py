@@ -50,6 +50,9 @@ BATCH_LIMIT = 1024
 #: the host, killed, to be known dead before its commands fail anyway (see ``_hand_replies``).
 DEATH_WAIT_S = 10.0
 
+#: Seconds between two pings of a host waited for to be dead (see ``_dies``).
+PING_PAUSE_S = 0.01
+
 
 class Connection:
     """One client's link to one host, shared by every RAY device of that host (the driver
@@ -455,16 +458,19 @@ def _killed(actor: Any) -> bool:
 
 
 def _dies(actor: Any, deadline: float) -> bool:
-    """Whether a call of ``actor`` fails as a dead actor's before ``deadline``."""
+    """Whether a call of ``actor`` fails as a dead actor's before ``deadline``. Pings pause
+    (10 ms) between them, whether the last one answered or failed; an error that is not an
+    actor's (one no later ping can tell apart) ends the wait at once: not known dead."""
     store = wire.STORE
     while (left := deadline - time.monotonic()) > 0:
         try:
             store.get(actor.ping.remote(), timeout=left)
         except Exception as exc:
-            if store.ended(exc):
+            if store.died(exc):
                 return True
-        else:  # (the kill has not taken yet)
-            threading.Event().wait(min(0.01, max(left, 0.0)))
+            if store.ended(exc):  # (not an actor's error: the actor may be alive or dead)
+                return False
+        threading.Event().wait(min(PING_PAUSE_S, max(deadline - time.monotonic(), 0.0)))
     return False
 
 

@@ -163,6 +163,10 @@ class Store(Protocol):
         """Kill the actor ``actor`` (its calls fail as its death's; it is not restarted)."""
         ...
 
+    def died(self, error: BaseException) -> bool:
+        """Whether a call that raised ``error`` says its actor is dead."""
+        ...
+
     def ended(self, error: BaseException) -> bool:
         """Whether a call whose result raised ``error`` runs no more: its actor is dead, or the
         call itself raised; not when the actor is only unreachable for the moment (Ray's
@@ -200,6 +204,10 @@ class RayStore:
     def kill_actor(self, actor: Any) -> None:
         """``ray.kill(actor, no_restart=True)``."""
         ray.kill(actor, no_restart=True)
+
+    def died(self, error: BaseException) -> bool:
+        """``ActorDiedError``."""
+        return isinstance(error, ray.exceptions.ActorDiedError)
 
     def ended(self, error: BaseException) -> bool:
         """``ActorDiedError`` (the actor is dead) or ``RayTaskError`` (the call raised)."""
