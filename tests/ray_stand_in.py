@@ -18,7 +18,7 @@ import pickle
 import threading
 from typing import Any
 
-from ray.exceptions import ActorDiedError, RayError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from aiotinyrt.ray.host import Host
 
@@ -201,9 +201,9 @@ class StandIn:
         return isinstance(error, (ActorDied, ActorDiedError))
 
     def ended(self, error: BaseException) -> bool:
-        """Whether a call that failed with ``error`` is over: its host was killed, or the call
-        raised; not a Ray error that says the actor may still run (one a test raises)."""
-        return isinstance(error, (ActorDied, ActorDiedError)) or not isinstance(error, RayError)
+        """Whether a call that failed with ``error`` is over: as Ray's store, all but an actor
+        error that says the actor may still run (one a test raises, ``ActorUnavailableError``)."""
+        return self.died(error) or not isinstance(error, RayActorError)
 
     def hosts(self) -> list[str]:
         """The running hosts' names."""

@@ -1207,18 +1207,91 @@ async def test_pings_of_a_host_waited_for_pause_between_them_when_they_fail(
     assert 1 <= pings <= wait / 0.01 + 2, pings
 
 
+@pytest.mark.parametrize("kind", ["other", "system"])
 async def test_a_ping_failing_with_no_actor_error_ends_the_wait_for_the_death_at_once(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, kind: str
 ) -> None:
     # a ping that fails with an error that is not an actor's tells nothing of the host, nor
-    # will the next: the wait ends at once, the host not known dead (it was taken as dead)
+    # will the next: the wait ends at once, the host not known dead (it was taken as dead, or
+    # pinged until the deadline)
+    from ray.exceptions import RaySystemError
+
     monkeypatch.setattr(stream, "DEATH_WAIT_S", 10.0)
-    error = RuntimeError("not an actor's error")
+    error: Exception = RuntimeError("not an actor's error")
+    if kind == "system":
+        error = RaySystemError(ModuleNotFoundError("No module named 'hostonly'"))
     cause, pings, took = await _copy_fails_while_pings_fail(
-        stand_in, monkeypatch, anyio_backend, "ping-other", error
+        stand_in, monkeypatch, anyio_backend, f"ping-{kind}", error
     )
     assert isinstance(cause, wire.HostAdrift)
     assert pings == 1 and took < 10.0
+
+
+def _unreadable_errors() -> list[Exception]:
+    """Errors of a call that ran to its end on its actor, whose reply could not be read here."""
+    from ray.exceptions import ObjectLostError, OwnerDiedError, RaySystemError
+
+    return [
+        RaySystemError(ModuleNotFoundError("No module named 'hostonly'")),  # (does not unpickle)
+        ObjectLostError("ab" * 14, "", ""),
+        OwnerDiedError("ab" * 14, "", ""),
+    ]
+
+
+def test_ray_takes_only_an_actor_error_short_of_death_as_a_call_that_may_still_run() -> None:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+    ray_store = wire.RayStore()
+    assert not ray_store.ended(ActorUnavailableError("unavailable", None))
+    assert not ray_store.ended(RayActorError())
+    assert ray_store.ended(ActorDiedError())
+    assert ray_store.died(ActorDiedError()) and not ray_store.died(ActorUnavailableError("u", None))
+    raised = RayTaskError("run", "traceback", ActorUnavailableError("u", None))  # (the call raised it)
+    assert ray_store.ended(raised) and ray_store.ended(raised.as_instanceof_cause())
+    for error in _unreadable_errors():
+        assert ray_store.ended(error), error
+        assert not ray_store.died(error), error
+
+
+@pytest.mark.parametrize("which", range(len(_unreadable_errors())))
+async def test_a_copy_whose_reply_cannot_be_read_fails_and_leaves_its_host_running(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, which: int
+) -> None:
+    # the host ran the copy to its end; only reading its reply failed here: the copy fails (the
+    # host lost for this connection), but a host shared with others is not killed for it
+    _copies(monkeypatch, staging.DIRECT)
+    name, dev = _own_device(stand_in, anyio_backend, f"unreadable-{which}")
+    nbytes = 1 << 20
+    buf = await filled_buffer(dev.name, np.full(nbytes, 7, np.uint8))  # (probed)
+    kills: list[Any] = []
+    monkeypatch.setattr(stand_in, "kill_actor", kills.append)
+    real_call, real_get, runs = stand_in.call, stand_in.get, []
+
+    def call(host: Host, method: str, args: tuple[Any, ...]) -> Any:
+        fut = real_call(host, method, args)
+        if method == "run":
+            runs.append(fut)
+        return fut
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if any(ref is run for run in runs):
+            real_get(ref, timeout)  # (the call ran to its end)
+            raise _unreadable_errors()[which]
+        return real_get(ref, timeout)
+
+    monkeypatch.setattr(stand_in, "call", call)
+    monkeypatch.setattr(stand_in, "get", get)
+    with anyio.fail_after(30), pytest.raises(DeviceError, match=f"host {name}: device lost") as failed:
+        await buf.copyout(np.zeros(nbytes, np.uint8))
+    monkeypatch.undo()
+    assert not isinstance(failed.value.cause, wire.HostAdrift)
+    assert kills == [] and name in stand_in.hosts()
+    await dev.reset()  # (the same host, reconnected)
+    again = await filled_buffer(dev.name, np.full(nbytes, 3, np.uint8))
+    out = np.zeros(nbytes, np.uint8)
+    await again.copyout(out)
+    assert (out == 3).all()
+    await dev.aclose()
 
 
 async def test_a_probe_overtaken_by_a_reconnection_leaves_the_new_host_to_probe(

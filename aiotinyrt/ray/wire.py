@@ -168,9 +168,11 @@ class Store(Protocol):
         ...
 
     def ended(self, error: BaseException) -> bool:
-        """Whether a call whose result raised ``error`` runs no more: its actor is dead, or the
-        call itself raised; not when the actor is only unreachable for the moment (Ray's
-        ``ActorUnavailableError``, a lost connection: the call may still run)."""
+        """Whether a call whose result raised ``error`` runs no more: its actor is dead, the
+        call itself raised, or only its reply could not be read (the call ran to its end); not
+        when the actor is only unreachable for the moment (Ray's ``ActorUnavailableError``, a
+        lost connection: the call may still run, and the actor is killed before its memory is
+        reused)."""
         ...
 
 
@@ -210,8 +212,14 @@ class RayStore:
         return isinstance(error, ray.exceptions.ActorDiedError)
 
     def ended(self, error: BaseException) -> bool:
-        """``ActorDiedError`` (the actor is dead) or ``RayTaskError`` (the call raised)."""
-        return isinstance(error, (ray.exceptions.ActorDiedError, ray.exceptions.RayTaskError))
+        """All but a ``RayActorError`` other than ``ActorDiedError`` (``ActorUnavailableError``:
+        the actor may still run the call): the actor died, the call raised (``RayTaskError``,
+        whatever its cause), or only reading its reply failed (``RaySystemError`` for a value
+        that does not unpickle, ``ObjectLostError``)."""
+        if isinstance(error, ray.exceptions.RayTaskError):
+            return True
+        actor = isinstance(error, ray.exceptions.RayActorError)
+        return not actor or isinstance(error, ray.exceptions.ActorDiedError)
 
 
 def failure(host: str, exc: BaseException) -> tuple[float, str, None, BaseException | None]:
