@@ -4,7 +4,8 @@
 :class:`aiotinyrt.ray.host.Host` on one asyncio loop in a thread of its own (as an async actor's
 loop is), an actor call pickles its arguments and its result (as Ray serializes them) and
 returns a ``concurrent.futures.Future``, and ``put`` keeps a copy under a ref. ``kill`` fails
-a host's pending and later calls, as a dead actor's do.
+a host's pending and later calls, as a dead actor's do. Each host reports a child process of
+its own (``sleep``) as its process, which ends when the host is killed.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import contextlib
 import contextvars
 import itertools
 import pickle
+import subprocess
 import threading
 from typing import Any
 
 from ray.exceptions import ActorDiedError, RayActorError
 
 from aiotinyrt.ray.host import Host
+from aiotinyrt.ray.staging import _started
 
 
 class ActorDied(RuntimeError):
@@ -77,6 +80,7 @@ class StandIn:
         #: unregisters its future under this lock while the host is alive; a run never starts
         #: the host's method once the host is dead
         self._calling = threading.Lock()
+        self._processes: dict[int, subprocess.Popen[bytes]] = {}  # each host's process, by id(host)
         self.calls: dict[str, int] = {}  #: actor calls per method name
         self.puts = 0  #: objects put
 
@@ -85,7 +89,22 @@ class StandIn:
         if name in self._hosts:
             self._killed.append(self._hosts[name])  # (kept: no later host may reuse its id)
         host = self._hosts[name] = Host(name)
+        # (the host's process, as its probe reports it: a child of its own, ended with it)
+        child = self._processes[id(host)] = subprocess.Popen(
+            ["sleep", "infinity"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        host.process = (child.pid, _started(child.pid))
         return Handle(self, host)
+
+    def end_process(self, host: Host) -> None:
+        """The process of ``host`` ends (and is reaped): when it is killed, or at :meth:`close`."""
+        child = self._processes.pop(id(host), None)
+        if child is not None:
+            child.kill()
+            child.wait()
 
     def hold(self, name: str) -> None:
         """Calls of host ``name`` wait (pending, not started) until it is killed."""
@@ -112,6 +131,7 @@ class StandIn:
                 if event is not None:
                     self.loop.call_soon_threadsafe(event.set)
             pending = list(self._pending.pop(id(host), ()))  # (these are the kill's to fail)
+        self.end_process(host)
         for fut in pending:
             fut.set_exception(ActorDied(f"the actor {name} died"))
 
@@ -178,6 +198,8 @@ class StandIn:
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(5)
+        for host in [*self._hosts.values(), *self._killed]:
+            self.end_process(host)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():

@@ -139,9 +139,9 @@ def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     (``copy_from`` between them goes through the store)."""
     real = Host.stage
 
-    async def stage(self: Host, client: str, where: Any, token: bytes) -> bool:
+    async def stage(self: Host, client: str, where: Any, token: bytes) -> tuple[bool, int, str]:
         if mode == staging.STORE or (mode == staging.STAGED and isinstance(where, staging.Direct)):
-            return False
+            return (False, *self.process)
         return await real(self, client, where, token)
 
     async def write_to(self: Host, client: str, ref: Any, there: Any) -> bool:
@@ -1291,6 +1291,65 @@ async def test_a_copy_whose_reply_cannot_be_read_fails_and_leaves_its_host_runni
     out = np.zeros(nbytes, np.uint8)
     await again.copyout(out)
     assert (out == 3).all()
+    await dev.aclose()
+
+
+def test_a_process_is_gone_once_it_ended_and_not_before() -> None:
+    child = subprocess.Popen(["sleep", "infinity"])
+    process = (child.pid, staging._started(child.pid))
+    assert not staging.gone(process, time.monotonic())  # (it runs: not gone by the deadline)
+    assert not staging.gone((os.getpid(), staging._started(os.getpid())), time.monotonic())
+    assert staging.gone((child.pid, "0"), time.monotonic())  # (another process of that pid)
+    child.kill()
+    child.wait()
+    assert staging.gone(process, time.monotonic())
+
+
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED])
+async def test_a_copy_whose_host_ray_calls_dead_waits_for_its_process_to_end(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
+) -> None:
+    # Ray reports the host dead while its process still runs (it could still write the
+    # caller's memory): the copy fails only once that process is gone, else its memory is
+    # never reused (HostAdrift)
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"lingers-{mode}")
+    nbytes = 1 << 20
+    buf = await filled_buffer(dev.name, np.full(nbytes, 0x5A, np.uint8))  # (probed)
+    monkeypatch.setattr(stream, "DEATH_WAIT_S", 0.05)  # (a bound: never a wait that syncs)
+    lingering: list[Host] = []
+    monkeypatch.setattr(stand_in, "end_process", lingering.append)  # (the process outlives it)
+    real_call, sent = stand_in.call, threading.Event()
+
+    def call(host: Host, method: str, args: tuple[Any, ...]) -> Any:
+        fut = real_call(host, method, args)
+        if method == "run":
+            sent.set()
+        return fut
+
+    monkeypatch.setattr(stand_in, "call", call)
+    stand_in.pause(name)
+    kept = len(client._QUARANTINED)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+
+            async def kill() -> None:
+                await anyio.to_thread.run_sync(sent.wait)
+                stand_in.kill(name)
+
+            tg.start_soon(kill)
+            with pytest.raises(DeviceError, match=f"host {name}: device lost") as failed:
+                await buf.copyout(np.zeros(nbytes, np.uint8))
+    assert isinstance(failed.value.cause, wire.HostAdrift)
+    if mode == staging.DIRECT:
+        assert len(client._QUARANTINED) == kept + 1
+    else:
+        assert len(dev.conn.staging._free) == dev.conn.staging.made - 1  # (its segment is not reused)
+    monkeypatch.undo()
+    for host in lingering:
+        stand_in.end_process(host)
+    stand_in.start(name)
+    await dev.reset()
     await dev.aclose()
 
 

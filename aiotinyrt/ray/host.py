@@ -43,7 +43,7 @@ from aiotinyrt.device import Compiled, Device, get_available_devices
 from aiotinyrt.dtype import dtypes
 from aiotinyrt.program import Program
 from aiotinyrt.ray import wire
-from aiotinyrt.ray.staging import Direct, Mappings, Staged, address, direct_copy
+from aiotinyrt.ray.staging import Direct, Mappings, Staged, address, direct_copy, process_here
 from aiotinyrt.ray.wire import ACTOR_PREFIX, Command
 from aiotinyrt.signal import Signal
 
@@ -74,6 +74,8 @@ class Host:
         self._peers: dict[str, Any] = {}  # other hosts' handles, by name
         self._no_direct: set[str] = set()  # peers that may not write this process's memory
         self._staging = Mappings()  # clients' staging segments mapped here
+        #: this host's process: its pid and start time (reported by the probe, :meth:`stage`)
+        self.process = process_here()
         self._ops: dict[int, Callable[[str, Buffers, Pending, Command], Awaitable[Any]]] = {
             wire.ALLOC: self._alloc,
             wire.FREE: self._free,
@@ -119,11 +121,12 @@ class Host:
         dev = await self._device(device)
         return asdict(dev.allocator.statistics())
 
-    async def stage(self, client: str, staged: Staged | Direct, token: bytes) -> bool:
+    async def stage(self, client: str, staged: Staged | Direct, token: bytes) -> tuple[bool, int, str]:
         """Whether this host reads ``token`` through ``staged``: ``client``'s memory (direct),
         or the start of its segment, which then stays mapped (the probe of
-        :mod:`aiotinyrt.ray.staging`)."""
-        return self._staging.probe(client, staged, token)
+        :mod:`aiotinyrt.ray.staging`); and this host's pid and start time (a client waits for
+        that process to be gone before it reuses memory a call of it may write)."""
+        return (self._staging.probe(client, staged, token), *self.process)
 
     async def unstage(self, client: str) -> int:
         """Drop every staging segment of ``client`` mapped here; how many there were."""

@@ -44,6 +44,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -87,11 +88,36 @@ class Direct(NamedTuple):
     @staticmethod
     def here(addr: int, nbytes: int) -> Direct:
         """``nbytes`` of this process's memory at ``addr``."""
-        global _SELF
-        pid = os.getpid()
-        if _SELF[0] != pid:  # (read once per process: a forked child reads its own)
-            _SELF = (pid, _started(pid))
-        return Direct(pid, addr, nbytes, _SELF[1])
+        pid, started = process_here()
+        return Direct(pid, addr, nbytes, started)
+
+
+def process_here() -> tuple[int, str]:
+    """This process's pid and start time (read once per process: a forked child reads its own)."""
+    global _SELF
+    pid = os.getpid()
+    if _SELF[0] != pid:
+        _SELF = (pid, _started(pid))
+    return _SELF
+
+
+def gone(process: tuple[int, str], deadline: float, pause: float = 0.01) -> bool:
+    """Wait until ``process`` (a pid and its start time) has ended, ``deadline``
+    (``time.monotonic``) at most, looking every ``pause`` seconds: whether it did (no such pid,
+    another process's start time, or a zombie's: it runs no more)."""
+    pid, started = process
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[-1].split()
+        except OSError:
+            return True
+        if fields[19].decode() != started or fields[0] in (b"Z", b"X"):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        threading.Event().wait(min(pause, left))
 
 
 #: This process's pid and start time, once read.

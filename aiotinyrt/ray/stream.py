@@ -31,7 +31,7 @@ except ImportError:  # (trio is optional)
     trio = None  # type: ignore[assignment]
 
 from aiotinyrt.ray import wire
-from aiotinyrt.ray.staging import Direct, Segment, Staged, Staging
+from aiotinyrt.ray.staging import Direct, Segment, Staged, Staging, gone
 from aiotinyrt.ray.wire import Command, HostAdrift, HostLost, RemoteError
 from aiotinyrt.signal import DeviceError
 
@@ -104,6 +104,8 @@ class Connection:
         self.loaded: set[tuple[str, str]] = set()
         self.lost: str | None = None
         self._seq = 0
+        #: the host process (pid, start time) of an actor, as its probe reported it
+        self._process: tuple[Any, tuple[int, str]] | None = None
 
     def _lookup(self) -> Any:
         try:
@@ -141,12 +143,13 @@ class Connection:
         """Whether the host reads ``expected`` through ``where`` (:mod:`aiotinyrt.ray.staging`)."""
         actor, client = self.actor, self.client
         try:
-            usable = bool(wire.STORE.get(actor.stage.remote(client, where, expected), timeout=60))
+            usable, pid, started = wire.STORE.get(actor.stage.remote(client, where, expected), timeout=60)
         except Exception:  # (the host is gone or old: the copy itself reports a loss)
             return False
         if usable:
             self.staging.host = (actor, client)
-        return usable
+            self._process = (actor, (int(pid), str(started)))
+        return bool(usable)
 
     def new_id(self) -> int:
         """A fresh id (buffers, commands)."""
@@ -288,7 +291,10 @@ class Connection:
                 _fail(replies, exc)
                 cmds, replies, args = [], [], wire.encode(self.client, seq, [])
         self._seq = seq
-        exposed = self.actor if any(_names_memory(cmd) for cmd in cmds) else None
+        exposed = None
+        if any(_names_memory(cmd) for cmd in cmds):
+            known = self._process
+            exposed = (self.actor, known[1] if known is not None and known[0] is self.actor else None)
         try:
             ref: Any = self.actor.run.remote(*args)
         except Exception as exc:  # the number never reached the host: nothing later can run
@@ -326,7 +332,8 @@ class Connection:
 
 
 #: A call in flight: its ref, the connection's epoch when sent, the replies of its commands,
-#: and the actor it went to where one of them names this process's memory (else None).
+#: and, where one of them names this process's memory, the actor it went to and that actor's
+#: process (pid, start time; None if not known) (else None).
 _InFlight = tuple[Any, int, list[Reply | None], Any]
 
 
@@ -392,7 +399,13 @@ def _hand_replies(
         if conn is not None and epoch == conn._epoch:  # (a late reply of a host reconnected
             conn.lost = lost  # from marks nothing)
         del conn
-        dead = exposed is None or wire.STORE.ended(exc) or _killed(exposed)
+        store = wire.STORE
+        if exposed is None:
+            dead = True
+        elif store.died(exc):  # (Ray's word; its worker may still run: wait for its process)
+            dead = exposed[1] is None or _killed(exposed[0], exposed[1], kill=False)
+        else:
+            dead = store.ended(exc) or _killed(exposed[0], exposed[1], kill=True)
         _fail(replies, HostLost(lost) if dead else HostAdrift(lost))
         return
     try:
@@ -432,10 +445,12 @@ def _actor_key(actor: Any) -> Any:
     return id(actor) if key is None else key
 
 
-def _killed(actor: Any) -> bool:
-    """Kill ``actor`` and wait until a call of it fails as a dead actor's: whether it is known
-    dead. One verdict per actor (:data:`_VERDICTS`): only its first failure kills it, and every
-    failure waits until :data:`DEATH_WAIT_S` after that first one at most. Waiter threads only."""
+def _killed(actor: Any, process: tuple[int, str] | None, kill: bool) -> bool:
+    """Kill ``actor`` (unless ``kill`` is false: Ray said it died) and wait until a call of it
+    fails as a dead actor's and its process (``process``: pid and start time, where known) is
+    gone: whether it is known dead. One verdict per actor (:data:`_VERDICTS`): only its first
+    failure kills it, and every failure waits until :data:`DEATH_WAIT_S` after that first one
+    at most. Waiter threads only."""
     key = _actor_key(actor)
     with _VERDICTS_LOCK:
         verdict = _VERDICTS.get(key)
@@ -447,11 +462,14 @@ def _killed(actor: Any) -> bool:
         return bool(verdict.dead)  # (another waits for it still, past the deadline: not known dead)
     try:
         if verdict.dead is None:
-            if not verdict.killed:
+            if kill and not verdict.killed:
                 verdict.killed = True
                 with contextlib.suppress(Exception):
                     wire.STORE.kill_actor(actor)
-            verdict.dead = _dies(actor, verdict.deadline)
+            dead = not kill or _dies(actor, verdict.deadline)
+            # (Ray may call an actor dead before its worker process has exited: a worker stalled
+            # in a copy could still write this process's memory)
+            verdict.dead = dead and (process is None or gone(process, verdict.deadline, PING_PAUSE_S))
         return verdict.dead
     finally:
         verdict.lock.release()
