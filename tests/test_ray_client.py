@@ -1372,3 +1372,30 @@ async def test_a_probe_overtaken_by_a_reconnection_leaves_the_new_host_to_probe(
     await buf.copyout(out)
     assert (out == 4).all() and conn.staging.mode == staging.DIRECT
     await dev.aclose()
+
+
+def test_closing_a_connection_after_ray_shut_down_starts_no_new_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection's sender thread closes its staging at interpreter exit, after Ray shut
+    down: a call on the host's actor handle then would initialize a new local Ray."""
+    import ray
+
+    calls: list[object] = []
+
+    class Unstage:
+        def remote(self, client_id: object) -> None:
+            calls.append(client_id)
+
+    class ActorHandle:  # (a Ray actor handle's type, as the staging sees it)
+        unstage = Unstage()
+
+    ActorHandle.__module__ = "ray.actor"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    shut = staging.Staging()
+    shut.host = (ActorHandle(), b"client")
+    shut.close()
+    assert calls == []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    running = staging.Staging()
+    running.host = (ActorHandle(), b"client")
+    running.close()
+    assert calls == [b"client"]

@@ -43,6 +43,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -341,11 +342,21 @@ class Staging:
             host, self.host = self.host, None
         for seg in free:
             seg.close()
-        if host is not None:
+        if host is not None and not _ray_shut_down(host[0]):
             try:
                 host[0].unstage.remote(host[1])
             except Exception:  # (the host is gone, or Ray is: so are its mappings)
                 pass
+
+
+def _ray_shut_down(handle: object) -> bool:
+    """Whether ``handle`` is a Ray actor's and Ray is no longer initialized in this process: a
+    call on it would start a new local Ray instance (Ray initializes itself on first use),
+    here from a connection's sender thread at interpreter exit."""
+    if not type(handle).__module__.startswith("ray."):
+        return False
+    ray = sys.modules.get("ray")
+    return ray is not None and not ray.is_initialized()
 
 
 def token() -> bytes:
