@@ -103,6 +103,22 @@ async def gate_on(device: str) -> AsyncIterator[Gate]:
         await flag.free()
 
 
+def cl_ring(without: str) -> tuple[Any, Any, Any]:
+    """CL, its compute queue (a DriverQueue) and that queue's driver (a CLQueue), skipped where
+    the queue has no native completion ring (``NATIVE_QUEUE=0``: no ``without``)."""
+    from aiotinyrt.backends.cl_queue import CLQueue
+    from aiotinyrt.backends.ops_cl import CLDevice
+
+    dev = Device["CL"]
+    assert isinstance(dev, CLDevice)
+    queue = dev._compute_queue
+    driver = queue.driver
+    assert isinstance(driver, CLQueue)
+    if driver._ring is None:
+        pytest.skip(f"NATIVE_QUEUE=0: no completion ring, so no {without}")
+    return dev, queue, driver
+
+
 async def int_buffer(device: str, value: int = 0, size: int = 1) -> Buffer:
     """An allocated int32 buffer filled with ``value``."""
     buf = await Buffer(device, size, dtypes.int32).allocate()

@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
-from aiotinyrt import Device
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue, _event
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
 from aiotinyrt.driverqueue import DriverQueue
-from tests.helpers import int_buffer
+from tests.helpers import cl_ring, int_buffer
 
 pytestmark = pytest.mark.anyio
 
@@ -28,13 +27,7 @@ LONG_US = 60_000_000  # (a gate held this long: only what the test checks opens 
 async def ring() -> AsyncIterator[tuple[CLDevice, DriverQueue, CLQueue]]:
     """CL, its compute queue and that queue's driver, with batches held up to a minute (skipped
     without the native ring); the default hold comes back afterwards."""
-    dev = Device["CL"]
-    assert isinstance(dev, CLDevice)
-    queue = dev._compute_queue
-    driver = queue.driver
-    assert isinstance(driver, CLQueue)
-    if driver._ring is None:
-        pytest.skip("NATIVE_QUEUE=0: no completion ring, so no gates")
+    dev, queue, driver = cl_ring("gates")
     await dev.synchronize()
     driver.gate(LONG_US)
     try:

@@ -20,7 +20,7 @@ from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.driverqueue import Done, DriverQueue
-from tests.helpers import int_buffer
+from tests.helpers import cl_ring, int_buffer
 
 pytestmark = pytest.mark.anyio
 
@@ -32,13 +32,7 @@ MINUTE_US = 60_000_000
 async def ring() -> AsyncIterator[tuple[CLDevice, DriverQueue, CLQueue]]:
     """CL, its compute queue and that queue's driver (skipped without the native ring); the
     poll's budget and the gate's hold come back afterwards, and a sticky error is reset."""
-    dev = Device["CL"]
-    assert isinstance(dev, CLDevice)
-    queue = dev._compute_queue
-    driver = queue.driver
-    assert isinstance(driver, CLQueue)
-    if driver._ring is None:
-        pytest.skip("NATIVE_QUEUE=0: no completion ring, so no poll")
+    dev, queue, driver = cl_ring("poll")
     await dev.synchronize()
     budget = driver._poll_ns
     try:
@@ -48,6 +42,17 @@ async def ring() -> AsyncIterator[tuple[CLDevice, DriverQueue, CLQueue]]:
         driver.gate(50)
         if dev._error is not None:  # (a test that failed before its own reset)
             await dev.reset()
+
+
+async def _inc_held_a_minute(dev: CLDevice, driver: CLQueue) -> tuple[Any, Any]:
+    """The inc program and a zeroed int on ``dev``, the queue idle, its gate held a minute (so
+    the waiter cannot take a launch before a poll opens it) and its poll's budget a minute."""
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    driver.gate(MINUTE_US)
+    driver._poll_ns = MINUTE_US * 1000
+    return prog, out
 
 
 class _Reports:
@@ -72,11 +77,7 @@ async def test_an_await_of_a_launch_on_an_idle_queue_is_reported_by_the_awaiting
     """The gate holds each launch until the poll opens it (so the waiter cannot take it first)
     and the budget is a minute: every completion is the loop thread's."""
     dev, queue, driver = ring
-    prog = await dev.program("inc", INC)
-    out = await int_buffer(dev.name)
-    await dev.synchronize()
-    driver.gate(MINUTE_US)
-    driver._poll_ns = MINUTE_US * 1000
+    prog, out = await _inc_held_a_minute(dev, driver)
     reports = _Reports(monkeypatch)
     first = queue.timeline.completed + 1
     with anyio.fail_after(30):
@@ -133,11 +134,7 @@ async def test_a_poll_leaves_a_python_command_after_its_launch_to_the_waiter_thr
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev, queue, driver = ring
-    prog = await dev.program("inc", INC)
-    out = await int_buffer(dev.name)
-    await dev.synchronize()
-    driver.gate(MINUTE_US)
-    driver._poll_ns = MINUTE_US * 1000
+    prog, out = await _inc_held_a_minute(dev, driver)
     reports = _Reports(monkeypatch)
     ran_in: list[int] = []
     sig = prog(out)
