@@ -276,9 +276,9 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         add("  its ray.put here (GB/s)", gbs / parts.pop())
         add(LIKE_OUT, gbs / await timed(lambda: _give(bare, out, parts)))
         add("  its ray.put in the actor (GB/s)", gbs / parts.pop())
-        there_in = staging.Direct.here(staging.address(host))
+        there_in = staging.Direct.here(staging.address(host), host.nbytes)
         add(DIRECT_IN, gbs / await timed(lambda there=there_in: bare.pull.remote(there)))
-        there_out = staging.Direct.here(staging.address(out))
+        there_out = staging.Direct.here(staging.address(out), out.nbytes)
         add(DIRECT_OUT, gbs / await timed(lambda there=there_out: bare.push.remote(there)))
         add(f"copy_from host to host {copy_mib} MiB (GB/s)", gbs / await timed(lambda: far.copy_from(big)))
 
