@@ -359,3 +359,23 @@ async def test_a_poll_waits_its_whole_budget_for_the_token_even_past_a_second(
     assert ahead.done() and sig.done()
     assert reports.values[-1] == sig.value and reports.threads[-1] == loop
     cl.clReleaseEvent(user)
+
+
+async def test_a_command_behind_a_python_command_is_not_polled(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """A launch, a Python command, a launch, all held by the gate: the second launch cannot
+    complete before the waiter runs the Python command, so an await of it must not poll (the
+    waiter, its first event not urgent, would wait out the poll's minute for the poller)."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    ran: list[int] = []
+    prog(out)
+    between = queue.submit(lambda: ran.append(threading.get_ident()), ())
+    last = prog(out)
+    assert driver.gated()
+    with anyio.fail_after(30):
+        await last
+    assert between.done() and ran and ran[0] != threading.get_ident()
+    assert (await out.numpy())[0] == 2
+    await out.free()
