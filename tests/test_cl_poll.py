@@ -6,8 +6,8 @@ command does."""
 
 from __future__ import annotations
 
-import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -335,21 +335,22 @@ async def test_a_poll_waits_its_whole_budget_for_the_token_even_past_a_second(
         return user
 
     ahead = queue.submit(hold, ())
-    sig = queue.submit(the_user_event, ())
     loop = threading.get_ident()
 
     def release_once_polling() -> None:
-        """Set ``go`` once the loop thread is inside the poll (in clq_poll, waiting)."""
-        while not go.is_set():
-            frame = sys._current_frames().get(loop)
-            if frame is not None and frame.f_code.co_name == "poll":
-                go.set()
+        """Set ``go`` once the poll registered: it opens the gate in the same locked section."""
+        while driver.gated() and not go.is_set():
+            time.sleep(0.001)
+        go.set()
 
     reports = _Reports(monkeypatch)
     releaser = threading.Thread(target=release_once_polling)
     try:
         with anyio.fail_after(30):
             await anyio.to_thread.run_sync(running.wait)
+            driver.gate(MINUTE_US)  # (the user event's command opens a batch only a poll opens)
+            sig = queue.submit(the_user_event, ())
+            assert driver.gated()
             releaser.start()
             await sig
     finally:

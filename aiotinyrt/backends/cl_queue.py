@@ -248,10 +248,12 @@ class CLQueue:
         ring, lib = self._ring, self._native
         status, seconds, tags = self._poll_out
         address = cdata_address(event) if isinstance(event, ffi.CData) else int(event)  # (ClEvent)
+        n = -1
         try:
-            lib.clq_poll(ring, address, self._poll_ns, 256, status, seconds, tags)
-        finally:  # (read again from the ring: a signal handler may raise before the result is)
-            n = lib.clq_polled(ring)
+            n = lib.clq_poll(ring, address, self._poll_ns, 256, status, seconds, tags)
+        finally:
+            if n < 0:  # (a signal handler raised before the result was stored: read it back)
+                n = lib.clq_polled(ring)
             if n:
                 self._report_taken(n, status, seconds, tags)
 

@@ -487,6 +487,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
    (clq_reported), 0 if none: its caller reports them even when an exception (a signal
    handler's) came between the call and its own reading of the result. */
 int clq_polled(clq_t *q) {
+    if (q->pid != getpid()) return 0; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
     int n = q->polled && pthread_equal(q->poll_owner, pthread_self()) ? q->polled : 0;
     pthread_mutex_unlock(&q->lock);
