@@ -152,6 +152,21 @@ def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
         monkeypatch.setattr(Host, "write_to", write_to)
 
 
+async def _probed(
+    stand_in: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    anyio_backend: Any,
+    mode: str,
+    tag: str,
+    data: np.ndarray[Any, Any],
+) -> tuple[str, client.RAYDevice, Buffer]:
+    """A host of this test's own copying the ``mode`` way (:func:`_copies`), its device, and a
+    buffer filled with ``data`` (a large copy: the connection has probed its way)."""
+    _copies(monkeypatch, mode)
+    name, dev = _own_device(stand_in, anyio_backend, f"{tag}-{mode}")
+    return name, dev, await filled_buffer(dev.name, data)
+
+
 @pytest.mark.parametrize("nbytes", [256, 1 << 20])
 async def test_copies_are_bit_exact_and_large_ones_go_through_the_store_where_staging_fails(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, nbytes: int
@@ -795,10 +810,10 @@ async def test_a_large_copy_has_at_most_two_pieces_in_flight(
 async def test_a_host_lost_during_a_large_copy_fails_it_and_a_reset_probes_the_new_host(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
 ) -> None:
-    _copies(monkeypatch, mode)
-    name, dev = _own_device(stand_in, anyio_backend, f"lost-{mode}")
     nbytes = 1 << 20
-    buf = await filled_buffer(dev.name, np.ones(nbytes, np.uint8))  # (probed: the mode is set)
+    name, dev, buf = await _probed(
+        stand_in, monkeypatch, anyio_backend, mode, "lost", np.ones(nbytes, np.uint8)
+    )
     probes, calls = stand_in.calls["stage"], dev.conn.calls
     stand_in.hold(name)
     out = np.empty(nbytes, np.uint8)
@@ -850,10 +865,8 @@ async def test_a_direct_copy_is_a_command_of_its_loop_turns_call(
 async def test_a_cancelled_wait_on_a_large_copyout_leaves_the_copy_to_complete(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any, mode: str
 ) -> None:
-    _copies(monkeypatch, mode)
-    name, dev = _own_device(stand_in, anyio_backend, f"cancelled-{mode}")
     x = np.random.default_rng(14).integers(0, 256, 1 << 20, dtype=np.uint8)
-    buf = await filled_buffer(dev.name, x)  # (probed)
+    name, dev, buf = await _probed(stand_in, monkeypatch, anyio_backend, mode, "cancelled", x)
     stand_in.pause(name)  # (the copy waits on the host)
     out = np.zeros(x.size, np.uint8)
     sig = buf._enqueue_copy(memoryview(out), into=False)
@@ -1007,10 +1020,10 @@ async def test_a_copy_whose_host_is_only_unavailable_fails_once_the_host_is_dead
 ) -> None:
     # a host "unavailable for the moment" may still run the call, writing the caller's memory
     # (or a segment) later: the copy is reported lost only once the host is known dead
-    _copies(monkeypatch, mode)
-    name, dev = _own_device(stand_in, anyio_backend, f"unavailable-{mode}")
     nbytes = 1 << 20
-    buf = await filled_buffer(dev.name, np.full(nbytes, 0x5A, np.uint8))  # (probed)
+    name, dev, buf = await _probed(
+        stand_in, monkeypatch, anyio_backend, mode, "unavailable", np.full(nbytes, 0x5A, np.uint8)
+    )
     stand_in.pause(name)  # (the copy's call waits on the host: it has not run)
     calls = _unavailable_once(stand_in, monkeypatch)
     out = np.zeros(nbytes, np.uint8)
@@ -1040,10 +1053,10 @@ async def test_a_copy_whose_host_is_not_known_dead_in_time_keeps_its_memory_from
     # the host could not be killed (or not confirmed dead in time): the copy fails, promptly,
     # but the memory the host may still write stays out of reuse (the caller's kept alive,
     # a segment closed, never leased again)
-    _copies(monkeypatch, mode)
-    name, dev = _own_device(stand_in, anyio_backend, f"adrift-{mode}")
     nbytes = 1 << 20
-    buf = await filled_buffer(dev.name, np.full(nbytes, 0x5A, np.uint8))  # (probed)
+    name, dev, buf = await _probed(
+        stand_in, monkeypatch, anyio_backend, mode, "adrift", np.full(nbytes, 0x5A, np.uint8)
+    )
     monkeypatch.setattr(stand_in, "kill_actor", lambda actor: None)
     monkeypatch.setattr(stream, "DEATH_WAIT_S", 0.05)  # (a bound: never a wait that syncs)
     stand_in.pause(name)
@@ -1312,10 +1325,10 @@ async def test_a_copy_whose_host_ray_calls_dead_waits_for_its_process_to_end(
     # Ray reports the host dead while its process still runs (it could still write the
     # caller's memory): the copy fails only once that process is gone, else its memory is
     # never reused (HostAdrift)
-    _copies(monkeypatch, mode)
-    name, dev = _own_device(stand_in, anyio_backend, f"lingers-{mode}")
     nbytes = 1 << 20
-    buf = await filled_buffer(dev.name, np.full(nbytes, 0x5A, np.uint8))  # (probed)
+    name, dev, buf = await _probed(
+        stand_in, monkeypatch, anyio_backend, mode, "lingers", np.full(nbytes, 0x5A, np.uint8)
+    )
     monkeypatch.setattr(stream, "DEATH_WAIT_S", 0.05)  # (a bound: never a wait that syncs)
     lingering: list[Host] = []
     monkeypatch.setattr(stand_in, "end_process", lingering.append)  # (the process outlives it)
