@@ -16,11 +16,14 @@ memory is reused from the first repetition on). Medians over the repetitions; as
   turn, the last awaited; round trip: one launch awaited (the median of the 200 calls made in
   turn with the anchor's).
 - copyin / copyout: ``Buffer.copyin`` / ``copyout`` of 64 MiB between a numpy array here and a
-  buffer of ``RAY:b1/CPU``, the way the connection's probe chose (printed above the table:
-  ``direct`` where the host may read and write this process's memory); the stall row is the
-  longest a 1 ms sleep on the loop overslept during the copyin (what the copy took from other
-  tasks). The staged and object-store rows: the same copies with the connection's way set to
-  ``staged`` (a shared-memory segment, two copies) and ``store`` (``ray.put`` / ``get``, two
+  buffer of ``RAY:b1/CPU`` with nothing pending on it, as a user makes them: one ``memcpy`` here
+  between the array and the host's memory, mapped (``aiotinyrt/ray/shared.py``; the first copy
+  of the buffer goes through the host and names its memory). The stall row is the longest a 1
+  ms sleep on the loop overslept during the copyin (what the copy took from other tasks). The
+  indented rows: the same copies through the host (the connection told not to map its
+  memory), the way the connection's probe chose (printed above the table: ``direct`` where the
+  host may read and write this process's memory: one copy by the host), then with the way set
+  to ``staged`` (a shared-memory segment, two copies) and ``store`` (``ray.put`` / ``get``, two
   copies), as where the host may not (another user, Yama's ptrace_scope, another machine).
 - ray.put: one ``ray.put`` of the same array (the object store's own put: one copy into the
   store); ray.get into an array: ``ray.get`` of that object (zero-copy, it is mapped here) and
@@ -258,11 +261,13 @@ async def main(reps: int, launches: int, copy_mib: int) -> None:
         add(f"copyout {copy_mib} MiB (GB/s)", gbs / await timed(lambda: big.copyout(out)))
         conn = dev.conn  # type: ignore[attr-defined]
         probed = conn.staging.mode
-        for mode in (staging.STAGED, staging.STORE):
+        conn.staging.memory.refused = True  # (every copy through the host)
+        for mode in dict.fromkeys((probed, staging.STAGED, staging.STORE)):
             conn.staging.mode = mode
             add(f"  copyin {mode} (GB/s)", gbs / await timed(lambda: big.copyin(host)))
             add(f"  copyout {mode} (GB/s)", gbs / await timed(lambda: big.copyout(out)))
         conn.staging.mode = probed
+        conn.staging.memory.refused = False
         start = time.perf_counter()
         ref = ray.put(host)
         put_s = time.perf_counter() - start

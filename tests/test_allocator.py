@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -367,3 +368,27 @@ async def test_allocator_copyout_is_a_checkpoint_and_copies_nothing_when_cancell
     await dev.synchronize()
     assert out == bytes(16)
     await alloc.free(opaque, 16)
+
+
+async def test_cpu_memory_of_at_least_shared_min_is_a_memory_file_open_while_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LRU", "0")  # (freed memory is released at once, not cached)
+    async with rt.open_device("CPU:8") as dev:
+        alloc = dev.allocator
+        monkeypatch.setattr(alloc, "shared_min", 1 << 20)
+        buf = await rt.Buffer(dev.name, 1 << 20, rt.dtypes.uint8).allocate()
+        small = await rt.Buffer(dev.name, (1 << 20) - 1, rt.dtypes.uint8).allocate()
+        fd = buf.handle().fd
+        assert fd >= 0 and small.handle().fd == -1
+        assert buf.view(4096, rt.dtypes.uint8, 8192).handle().fd == fd
+        await buf.copyin(np.full(1 << 20, 0x3C, np.uint8))
+        with open(f"/proc/self/fd/{fd}", "rb") as f:  # (what another process maps: the same bytes)
+            assert f.read() == b"\x3c" * (1 << 20)
+        ino = os.fstat(fd).st_ino
+        await buf.free()
+        await small.free()
+        try:
+            assert os.fstat(fd).st_ino != ino  # (closed at the free; the number may be reused)
+        except OSError:
+            pass

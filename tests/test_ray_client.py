@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("ray")  # (imported, never started)
 
 from aiotinyrt import Buffer, Device, DeviceError, dtypes, get_available_devices
-from aiotinyrt.ray import client, staging, stream, wire
+from aiotinyrt.ray import client, shared, staging, stream, wire
 from aiotinyrt.ray.host import Host
 from tests.helpers import fail_command, filled_buffer, loop_name
 from tests.ray_stand_in import Ref, StandIn
@@ -136,7 +136,9 @@ def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Connections probing from now on copy this way (``staging.DIRECT``: as the host allows;
     ``STAGED``: the host may not read the client's memory, as under Yama's ptrace_scope 1;
     ``STORE``: neither); but for ``DIRECT``, hosts may not write each other's memory either
-    (``copy_from`` between them goes through the store)."""
+    (``copy_from`` between them goes through the store). Every copy goes through the host: no
+    connection maps the host's memory (:mod:`aiotinyrt.ray.shared`)."""
+    monkeypatch.setattr(shared.HostMemory, "known", lambda self, rid: False)
     real = Host.stage
 
     async def stage(self: Host, client: str, where: Any, token: bytes) -> tuple[bool, int, str]:
@@ -914,7 +916,8 @@ async def test_a_dropped_connection_closes_its_segments_and_the_host_drops_their
     data = np.ones(nbytes, np.uint8)
     make = functools.partial(client._staged_copyin, conn, window, lease, 9, (1, nbytes, 0), data, [])
     conn.send_apart([(make, window.replied(lambda r, e: answer.set_result((r, e)), lease))], puts=True)
-    assert await anyio.to_thread.run_sync(answer.result, 30) == (0.0, None)
+    result, error = await anyio.to_thread.run_sync(answer.result, 30)
+    assert error is None and result[:2] == (0.0, None)  # (done; the reply names the buffer's memory)
     client_id, segments = conn.client, list(conn.staging._free)
     assert host._staging.mapped(client_id) == 1 and segments
     sender = conn._sender
@@ -1412,3 +1415,128 @@ def test_closing_a_connection_after_ray_shut_down_starts_no_new_ray(monkeypatch:
     running.host = (ActorHandle(), b"client")
     running.close()
     assert calls == [b"client"]
+
+
+# ---- copies made here, into and out of the host's memory (aiotinyrt/ray/shared.py) ------------
+async def _named(stand_in: StandIn, anyio_backend: Any, tag: str) -> tuple[client.RAYDevice, Buffer, Any]:
+    """A device of a host of its own and a buffer of 1 MiB ints on it, filled through the host
+    (``x``, whose reply named the buffer's memory); and the connection's known host memory."""
+    _, dev = _own_device(stand_in, anyio_backend, tag)
+    x = np.arange(1 << 18, dtype=np.int32)
+    buf = await filled_buffer(dev.name, x)
+    memory = dev.conn.staging.memory
+    assert memory.known(buf.handle().id) and memory.copies == 0
+    return dev, buf, memory
+
+
+async def test_copies_of_an_idle_buffer_are_made_here_once_the_host_named_its_memory(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "here")
+    prog = await dev.program("add1", ADD_SRC)
+    calls = dev.conn.calls
+    out = np.empty(1 << 18, np.int32)
+    await buf.copyout(out)
+    assert (out == np.arange(1 << 18)).all()
+    y = np.arange(1 << 18, dtype=np.int32)[::-1].copy()
+    await buf.copyin(y)
+    part = np.empty(1 << 16, np.int32)  # (a view at an offset: bytes [512 KiB, 768 KiB))
+    await buf.view(1 << 18, dtypes.uint8, 1 << 19).copyout(part.view(np.uint8))
+    assert (part == y[1 << 17 : (1 << 17) + (1 << 16)]).all()
+    assert memory.copies == 3 and dev.conn.calls == calls  # (no call to the host)
+    await prog(buf)  # (the host's kernel reads what was copied in here)
+    await buf.copyout(out)
+    assert (out[:N] == y[:N] + 1).all() and (out[N:] == y[N:]).all() and memory.copies == 4
+    await dev.aclose()
+
+
+async def test_a_copy_behind_pending_work_it_can_name_to_the_host_goes_through_the_host(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "behind")
+    prog = await dev.program("add1", ADD_SRC)
+    out = np.empty(1 << 18, np.int32)
+    prog(buf)
+    await buf.copyout(out)  # (waits for the launch on the host, in the launch's call)
+    assert memory.copies == 0
+    assert (out[:N] == np.arange(N) + 1).all() and (out[N:] == np.arange(N, 1 << 18)).all()
+    await dev.aclose()
+
+
+def _held_back(dev: client.RAYDevice, sig: Any) -> bool:
+    """Whether the command of ``sig`` is held back: by its queue (a dependency without an event
+    on the host) or by its queue's driver (behind a copy made here)."""
+    for queue in dev.queues.values():
+        if sig in getattr(queue, "_held", ()):
+            return True
+        held = getattr(getattr(queue, "driver", None), "_held", None) or ()
+        if any(cmd[3].value == sig.value and cmd[3].queue.timeline is sig.timeline for cmd in held):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("later", ["copyin", "launch"])
+async def test_what_writes_the_buffer_after_a_copy_made_here_waits_for_it(
+    stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    # the copy made here waits until the later write completed or is held back: were it sent,
+    # the host would write the bytes first and the copy would read them
+    dev, buf, memory = await _named(stand_in, anyio_backend, f"held-{later}")
+    prog = await dev.program("add1", ADD_SRC)
+    real, after, made = shared.copy, [], []
+
+    def gated(dst: int, src: int, nbytes: int) -> None:
+        if not made:  # (the first copy; a copyin held behind it is made here too, ungated)
+            _until(lambda: bool(after) and (after[0].done() or _held_back(dev, after[0])))
+        made.append(nbytes)
+        real(dst, src, nbytes)
+
+    monkeypatch.setattr(shared, "copy", gated)
+    out = np.full(1 << 18, -1, np.int32)
+    first = buf._enqueue_copy(memoryview(out), into=False)
+    if later == "copyin":  # (the same queue: held by its driver)
+        after.append(buf._enqueue_copy(memoryview(np.full(1 << 18, 7, np.int32)), into=True))
+    else:  # (the compute queue: held by the queue, the copy has no event on the host)
+        after.append(prog(buf))
+    await first
+    await after[0]
+    assert memory.copies == (2 if later == "copyin" else 1) and (out == np.arange(1 << 18)).all()
+    final = np.empty(1 << 18, np.int32)
+    await buf.copyout(final)
+    expected = np.full(1 << 18, 7, np.int32) if later == "copyin" else np.arange(1 << 18, dtype=np.int32)
+    if later == "launch":
+        expected[:N] += 1
+    assert (final == expected).all()
+    await dev.aclose()
+
+
+async def test_a_host_memory_file_that_is_not_the_one_named_sends_copies_through_the_host(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "refused")
+    rid = buf.handle().id
+    where = memory._where[rid]
+    memory._where[rid] = where._replace(ino=where.ino + 1)  # (another file behind that fd)
+    calls = dev.conn.calls
+    out = np.empty(1 << 18, np.int32)
+    await buf.copyout(out)
+    assert (out == np.arange(1 << 18)).all()
+    assert memory.refused and memory.copies == 0 and dev.conn.calls > calls
+    await buf.copyin(np.ones(1 << 18, np.int32))  # (no more tries: the host copies, names nothing)
+    assert not memory.known(rid) and ((await buf.numpy()) == 1).all() and memory.copies == 0
+    await dev.aclose()
+
+
+async def test_a_freed_buffer_is_forgotten_and_a_reconnection_forgets_every_one(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "forget")
+    other = await filled_buffer(dev.name, np.zeros(1 << 18, np.int32))
+    await buf.copyout(np.empty(1 << 18, np.int32))  # (mapped here)
+    rid = buf.handle().id
+    assert rid in memory._maps and memory.known(other.handle().id)
+    await buf.free()
+    assert not memory.known(rid) and rid not in memory._maps
+    dev.conn.staging.reconnected()
+    assert not memory.known(other.handle().id)
+    await dev.aclose()

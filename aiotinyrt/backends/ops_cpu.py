@@ -107,16 +107,19 @@ class CPUProgram(Program):
 
 class CPUMemory:
     """A handle to host memory: the owning mmap (None for external memory), the address of the
-    first byte, its offset into the mmap and its size."""
+    first byte, its offset into the mmap and its size; ``fd``: the memory file the mmap maps,
+    open while the memory is allocated, where another process may map it (-1: none, see
+    :attr:`CPUAllocator.shared_min`)."""
 
-    __slots__ = ("__weakref__", "addr", "mm", "nbytes", "offset", "ptr")
+    __slots__ = ("__weakref__", "addr", "fd", "mm", "nbytes", "offset", "ptr")
 
-    def __init__(self, mm: mmap.mmap | None, addr: int, offset: int, nbytes: int) -> None:
+    def __init__(self, mm: mmap.mmap | None, addr: int, offset: int, nbytes: int, fd: int = -1) -> None:
         self.mm = mm
         self.addr = addr
         self.ptr = ffi.cast("void *", addr)  # what kernels are called with (cheaper than an int)
         self.offset = offset
         self.nbytes = nbytes
+        self.fd = fd
 
     def __repr__(self) -> str:
         return f"<CPUMemory 0x{self.addr:x} {self.nbytes} bytes>"
@@ -130,6 +133,14 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
     #: 64 KiB: a few microseconds of memcpy on the loop thread (see Allocator.inline_copy_bytes)
     inline_copy_bytes = SMALL_COPY
 
+    #: Allocations of at least this many bytes map a memory file (``memfd_create``) kept open
+    #: while they are allocated (:attr:`CPUMemory.fd`), so that another process of the same
+    #: user may map the same pages through ``/proc/<pid>/fd/<fd>`` (a RAY device host sets it:
+    #: its clients on the same machine copy with one ``memcpy``). None (the default): anonymous
+    #: memory, no file descriptor per buffer. Where no file can be made (no ``memfd_create``, out
+    #: of file descriptors) the memory is anonymous all the same.
+    shared_min: int | None = None
+
     def __init__(self, device: Compiled) -> None:
         super().__init__(device)
         # by id of the mmap: how many zero-copy host views of it are alive, and the mmaps freed
@@ -140,13 +151,30 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
     def _alloc(self, nbytes: int, options: BufferSpec) -> CPUMemory:
         if options.external_ptr is not None:
             return CPUMemory(None, options.external_ptr, 0, nbytes)
-        mm = mmap.mmap(-1, nbytes)
-        return CPUMemory(mm, int(ffi.cast("uintptr_t", ffi.from_buffer(mm))), 0, nbytes)
+        fd = -1
+        if self.shared_min is not None and nbytes >= self.shared_min and hasattr(os, "memfd_create"):
+            try:
+                fd = os.memfd_create(f"aiotinyrt-{self.device.name}", os.MFD_CLOEXEC)
+                os.ftruncate(fd, nbytes)
+            except OSError:  # (out of file descriptors, or of memory for the file: anonymous)
+                if fd >= 0:
+                    os.close(fd)
+                fd = -1
+        try:
+            mm = mmap.mmap(fd, nbytes)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        return CPUMemory(mm, int(ffi.cast("uintptr_t", ffi.from_buffer(mm))), 0, nbytes, fd)
 
     def _free(self, opaque: CPUMemory, nbytes: int, options: BufferSpec) -> None:
         mm = opaque.mm
         if mm is None:
             return
+        if opaque.fd >= 0:  # (the mapping keeps the pages; no process maps them anew from here)
+            os.close(opaque.fd)
+            opaque.fd = -1
         with self._lock:  # called from worker threads too
             if id(mm) in self._views:  # a view from as_memoryview() still uses it: when it goes
                 self._parked[id(mm)] = mm
@@ -197,7 +225,7 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         return native_memmove(dest.addr, src.addr, nbytes, None)
 
     def _offset(self, opaque: CPUMemory, nbytes: int, offset: int) -> CPUMemory:
-        return CPUMemory(opaque.mm, opaque.addr + offset, opaque.offset + offset, nbytes)
+        return CPUMemory(opaque.mm, opaque.addr + offset, opaque.offset + offset, nbytes, opaque.fd)
 
     def _as_memoryview(self, opaque: CPUMemory, nbytes: int) -> memoryview:
         pointer = ffi.cast("char *", opaque.addr)

@@ -18,10 +18,13 @@ in the stream, after everything submitted before them.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -34,10 +37,10 @@ from aiotinyrt.allocator import Allocator, BufferSpec
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.compiler import Compiler
 from aiotinyrt.device import Compiled, Device
-from aiotinyrt.driverqueue import Done, DriverQueue
+from aiotinyrt.driverqueue import Completion, Done, DriverQueue
 from aiotinyrt.program import Program
 from aiotinyrt.queue import Queue
-from aiotinyrt.ray import staging, wire
+from aiotinyrt.ray import shared, staging, wire
 from aiotinyrt.ray.staging import Segment
 from aiotinyrt.ray.stream import _CONNECTIONS, BATCH_LIMIT, Connection, Part, Reply, connection
 from aiotinyrt.ray.wire import Command, HostAdrift, HostLost, RemoteError
@@ -170,6 +173,19 @@ def _staged_copyout(
     return cmd if seg is None else (*cmd, seg.staged)
 
 
+_COPIER: concurrent.futures.ThreadPoolExecutor | None = None
+_COPIER_LOCK = threading.Lock()
+
+
+def _copier() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that make the copies of :mod:`aiotinyrt.ray.shared` (made at first use)."""
+    global _COPIER
+    with _COPIER_LOCK:
+        if _COPIER is None:
+            _COPIER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aiotinyrt-ray-copy")
+        return _COPIER
+
+
 async def _get(ref: Any) -> Any:
     """The value of a Ray ref, waited for off the loop (any event loop). Cancellation: cancels
     the wait; the remote call goes on."""
@@ -204,6 +220,7 @@ class RemoteAllocator(Allocator[RemoteHandle]):
 
     def _free(self, opaque: RemoteHandle, nbytes: int, options: BufferSpec) -> None:
         self.held.discard(opaque.id)
+        self.remote.conn.staging.memory.forget(opaque.id)
         if not self.remote.released:
             self.remote.conn.submit((wire.FREE, opaque.id), None)
 
@@ -261,16 +278,108 @@ class RemoteProgram(Program):
         raise TypeError("remote launches run on the host (through the device's queue)")
 
 
+#: One command handed to a driver: ``enqueue``'s arguments.
+_Held = tuple[Callable[..., object], tuple[Any, ...], Sequence[object], Done]
+
+
 class _QueueDriver:
-    """The Driver of one queue of a RAY device: turns each command into a stream command."""
+    """The Driver of one queue of a RAY device: turns each command into a stream command, or
+    makes a large copy of an idle host buffer here (:mod:`aiotinyrt.ray.shared`), holding the
+    queue's later commands until it is done."""
 
     def __init__(self, device: RAYDevice, queue: str) -> None:
         self.device = device
         self.queue = queue
+        self._lock = threading.Lock()
+        #: commands handed over while a copy made here is under way, sent in order once it is
+        #: done (None: no such copy)
+        self._held: collections.deque[_Held] | None = None
 
     def enqueue(
         self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
     ) -> object:
+        with self._lock:
+            if self._held is not None:
+                self._held.append((fn, args, waits, done))
+                return None  # (no event: a dependent on another queue is held back until done)
+            here = self._here(fn, args, waits, done)
+            if here is not None:
+                self._held = collections.deque()
+        if here is None:
+            return self._send(fn, args, waits, done)
+        _copier().submit(self._copy_here, here, (fn, args, waits, done))
+        return None
+
+    def _here(
+        self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
+    ) -> tuple[int, int, np.ndarray[Any, Any], bool] | None:
+        """``(buffer id, offset, host array, into the buffer)`` when the command is a copy to
+        make here: large, of a buffer whose memory file is known, every command it depends on
+        complete (``waits`` empty) and none of this queue still in flight before it; else None.
+        Caller holds ``_lock``."""
+        if waits or not isinstance(done, Completion):
+            return None
+        func = getattr(fn, "__func__", None)
+        if func is RemoteAllocator._copyout:
+            out, handle = args
+            array = np.frombuffer(out, np.uint8)
+        elif func is RemoteAllocator._copyin:
+            handle, src = args
+            array = np.frombuffer(src, np.uint8)
+        else:
+            return None
+        if array.nbytes <= wire.INLINE_BYTES or not self.device.conn.staging.memory.known(handle.id):
+            return None
+        if done.queue.timeline.completed < done.value - 1:
+            return None
+        return handle.id, handle.offset, array, func is RemoteAllocator._copyin
+
+    def _copy_here(self, here: tuple[int, int, np.ndarray[Any, Any], bool], cmd: _Held) -> None:
+        """Make the copy ``here`` (a copier thread), or send ``cmd`` to the host when the
+        buffer's memory does not map here; then the commands held meanwhile."""
+        rid, offset, array, into = here
+        done = cmd[3]
+        try:
+            memory = self.device.conn.staging.memory
+            view = memory.view(rid, offset, array.nbytes)
+            if view is None:
+                self._send(*cmd)
+            else:
+                start = time.perf_counter()
+                if into:
+                    shared.copy(staging.address(view), staging.address(array), array.nbytes)
+                else:
+                    shared.copy(staging.address(array), staging.address(view), array.nbytes)
+                memory.copies += 1
+                del view
+                done(time.perf_counter() - start, None)
+        except Exception as exc:  # (a send refused: the command fails, as in ``enqueue``)
+            done(0.0, exc)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Send the commands held behind a copy made here, in order, up to the next such copy."""
+        while True:
+            with self._lock:
+                held = self._held
+                if not held:
+                    self._held = None
+                    return
+                cmd = held.popleft()
+                here = self._here(*cmd)
+            if here is not None:
+                _copier().submit(self._copy_here, here, cmd)
+                return
+            try:
+                self._send(*cmd)
+            except Exception as exc:
+                cmd[3](0.0, exc)
+
+    def _send(
+        self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
+    ) -> object:
+        """The command as one of the host connection's stream; its event (the command's id)."""
         dev = self.device
         conn = dev.conn
         cid = next(conn._ids)
@@ -298,7 +407,7 @@ class _QueueDriver:
                 lease.kept = data
                 there = staging.Direct.here(staging.address(data), data.nbytes)
                 cmd = (wire.COPYIN, cid, tuple(dest), there, list(waits))
-                conn.submit(cmd, _reply(dev, done, None, lease))
+                conn.submit(cmd, _reply(dev, done, None, lease, dest.id))
                 return cid
             # staged (or put) piece by piece by the sender thread: the host copies one piece in
             # while the next is staged (at most ``PIECES_IN_FLIGHT`` in flight)
@@ -313,7 +422,8 @@ class _QueueDriver:
                 make = functools.partial(
                     _staged_copyin, conn, window, lease, cid, piece, data[k : k + size], first
                 )
-                parts.append((make, window.replied(_reply(dev, whole.piece_done, None, lease), lease)))
+                reply = _reply(dev, whole.piece_done, None, lease, dest.id)
+                parts.append((make, window.replied(reply, lease)))
             conn.send_apart(parts, puts=True)
         elif func is RemoteAllocator._copyout:
             out, src = args
@@ -326,7 +436,7 @@ class _QueueDriver:
                 lease.kept = np.frombuffer(out, np.uint8)
                 there = staging.Direct.here(staging.address(lease.kept), lease.kept.nbytes)
                 cmd = (wire.COPYOUT, cid, tuple(src), list(waits), there)
-                conn.submit(cmd, _reply(dev, done, out, lease))
+                conn.submit(cmd, _reply(dev, done, out, lease, src.id))
                 return cid
             # piece by piece, a call each: this process copies one piece out while the host
             # copies (or puts) the next (sent by the sender thread: at most ``PIECES_IN_FLIGHT``)
@@ -339,7 +449,7 @@ class _QueueDriver:
                 lease = _Lease(conn)
                 first = list(waits) if k == 0 else []
                 part: Command = (wire.COPYOUT, cid, (src.id, size, src.offset + k), first)
-                reply = _reply(dev, whole.piece_done, into[k : k + size], lease)
+                reply = _reply(dev, whole.piece_done, into[k : k + size], lease, src.id)
                 make = functools.partial(_staged_copyout, conn, window, lease, part, into[k : k + size])
                 parts.append((make, window.replied(reply, lease)))
             conn.send_apart(parts, puts=True)
@@ -361,12 +471,17 @@ class _QueueDriver:
         return cid
 
 
-def _reply(device: RAYDevice, done: Done, out: Any = None, lease: _Lease | None = None) -> Reply:
+def _reply(
+    device: RAYDevice, done: Done, out: Any = None, lease: _Lease | None = None, rid: int | None = None
+) -> Reply:
     """The reply handler of one command: its entry (see :mod:`aiotinyrt.ray.wire`) to ``done``;
     a copyout's bytes (small ones in the entry, else the staging segment of ``lease`` or an
-    object ref) land in ``out``. Calls ``done`` at most once, even when called again after it
-    raised (see ``_reply_failed``)."""
+    object ref) land in ``out``; where a large copy's entry names the memory file of buffer
+    ``rid``, the connection learns it (:mod:`aiotinyrt.ray.shared`). Calls ``done`` at most
+    once, even when called again after it raised (see ``_reply_failed``)."""
     reported = False
+    memory = device.conn.staging.memory
+    generation = memory.generation
 
     def once(seconds: float, error: BaseException | None) -> None:
         nonlocal reported
@@ -387,7 +502,10 @@ def _reply(device: RAYDevice, done: Done, out: Any = None, lease: _Lease | None 
             sticky = device._error
             done(seconds, sticky or (cause if cause is not None else RemoteError(message)))
             return
-        if out is not None:
+        if payload.__class__ is shared.Shared:  # (the copy was made; the memory is named)
+            if rid is not None:
+                memory.remember(rid, payload, generation)
+        elif out is not None:
             data = wire.STORE.get(payload[0]) if isinstance(payload, list) else payload
             np.copyto(np.frombuffer(out, np.uint8), data)  # (zero-copy read of the store)
         done(seconds, None)
@@ -396,7 +514,8 @@ def _reply(device: RAYDevice, done: Done, out: Any = None, lease: _Lease | None 
         assert lease is not None
         seg = lease.segment
         try:
-            if error is None and result.__class__ is float and seg is not None and out is not None:
+            made = error is None and (result.__class__ is float or result[1] is None)
+            if made and seg is not None and out is not None:
                 view = np.frombuffer(out, np.uint8)
                 np.copyto(view, seg.array[: view.nbytes])  # (the host copied into the segment)
         finally:

@@ -38,11 +38,12 @@ from ray import cloudpickle
 
 from aiotinyrt import native
 from aiotinyrt.allocator import BufferSpec
+from aiotinyrt.backends.ops_cpu import CPUAllocator
 from aiotinyrt.buffer import Buffer
 from aiotinyrt.device import Compiled, Device, get_available_devices
 from aiotinyrt.dtype import dtypes
 from aiotinyrt.program import Program
-from aiotinyrt.ray import wire
+from aiotinyrt.ray import shared, wire
 from aiotinyrt.ray.staging import Direct, Mappings, Staged, address, direct_copy, process_here
 from aiotinyrt.ray.wire import ACTOR_PREFIX, Command
 from aiotinyrt.signal import Signal
@@ -100,7 +101,11 @@ class Host:
 
     async def _device(self, name: str) -> Compiled:
         await native.prepare()
-        return Device[name]
+        dev = Device[name]
+        alloc = dev.allocator
+        if isinstance(alloc, CPUAllocator) and alloc.shared_min is None:  # (clients here map it)
+            alloc.shared_min = shared.SHARED_MIN
+        return dev
 
     async def devices(self) -> list[str]:
         """The devices that open on the host, with their indices (``CPU``, ``CPU:1``, ...)."""
@@ -319,11 +324,13 @@ class Host:
         await _waits(sigs, waits)
         if isinstance(data, Direct):  # (the client's own memory: one copy, by the kernel)
             await _direct(_buffer(bufs, ref), data, write=False)
-            return 0.0
+            return self._located(bufs, ref)
         if isinstance(data, list):  # (the ref of the client's put: read zero-copy)
             data = await wire.STORE.wait(data[0])
         elif isinstance(data, Staged):  # (the client's segment: mapped here)
             data = self._staging.view(client, _fits(data, ref))[: ref[1]]
+            await _buffer(bufs, ref).copyin(data)
+            return self._located(bufs, ref)
         await _buffer(bufs, ref).copyin(data)
         return 0.0
 
@@ -332,11 +339,18 @@ class Host:
         await _waits(sigs, waits)
         if staged and isinstance(staged[0], Direct):  # (into the client's own memory)
             await _direct(_buffer(bufs, ref), staged[0], write=True)
-            return 0.0
+            return self._located(bufs, ref)
         if staged:  # into the client's segment: the buffer's copyout, ordered as any
             await _buffer(bufs, ref).copyout(self._staging.view(client, _fits(staged[0], ref))[: ref[1]])
-            return 0.0
+            return self._located(bufs, ref)
         return (0.0, None, await self._export(_buffer(bufs, ref)), None)
+
+    def _located(self, bufs: Buffers, ref: Ref) -> Any:
+        """The reply entry of a copy with a client on this machine: where the client finds the
+        buffer's memory file, if it is one (:mod:`aiotinyrt.ray.shared`), else just done."""
+        base = bufs[ref[0]][1]
+        where = shared.locate(base.handle(), base.nbytes, process_here())  # (the file's process)
+        return 0.0 if where is None else (0.0, None, where, None)
 
     async def _unstage(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:
         self._staging.drop(client, cmd[1])

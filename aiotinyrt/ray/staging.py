@@ -51,6 +51,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from aiotinyrt.ray.shared import HostMemory
+
 #: How a connection's large copies travel (:attr:`Staging.mode`).
 DIRECT, STAGED, STORE = "direct", "staged", "store"
 
@@ -253,6 +255,9 @@ class Staging:
         self.host: tuple[Any, str] | None = None  #: (actor, client id) that mapped segments
         self.closed = False
         self.made = 0  #: segments made (tests look)
+        #: the host's buffers this connection copies into and out of itself
+        #: (:mod:`aiotinyrt.ray.shared`)
+        self.memory = HostMemory()
 
     def probed(self, probe: Callable[[Any, bytes], bool]) -> str:
         """:attr:`mode`, probing the host first if not yet (``probe(descriptor, token)``: whether
@@ -324,6 +329,7 @@ class Staging:
         with self._lock:
             self.mode = None
             self._generation += 1
+        self.memory.clear()
 
     def reconnected(self) -> None:
         """The connection now talks to a new host: probe it; the old one's mappings are its own."""
@@ -332,6 +338,7 @@ class Staging:
             self._generation += 1
             self.retired = []
             self.host = None
+        self.memory.clear()
 
     def close(self) -> None:
         """The connection is gone: close the free segments (leased ones close when returned)
@@ -342,6 +349,7 @@ class Staging:
             host, self.host = self.host, None
         for seg in free:
             seg.close()
+        self.memory.clear()
         if host is not None and not _ray_shut_down(host[0]):
             try:
                 host[0].unstage.remote(host[1])
