@@ -392,3 +392,18 @@ async def test_cpu_memory_of_at_least_shared_min_is_a_memory_file_open_while_all
             assert os.fstat(fd).st_ino != ino  # (closed at the free; the number may be reused)
         except OSError:
             pass
+
+
+async def test_memory_files_stop_at_half_the_file_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiotinyrt.backends import ops_cpu
+
+    monkeypatch.setattr(ops_cpu, "fd_limit", lambda: 4)  # (room for one: two descriptors each)
+    async with rt.open_device("CPU:8") as dev:
+        monkeypatch.setattr(dev.allocator, "shared_min", 1 << 20)
+        first = await rt.Buffer(dev.name, 1 << 20, rt.dtypes.uint8).allocate()
+        second = await rt.Buffer(dev.name, 2 << 20, rt.dtypes.uint8).allocate()
+        assert first.handle().fd >= 0 and second.handle().fd == -1
+        await first.free()
+        dev.allocator.free_cache()
+        third = await rt.Buffer(dev.name, 3 << 20, rt.dtypes.uint8).allocate()
+        assert third.handle().fd >= 0  # (the first's file was closed: room again)

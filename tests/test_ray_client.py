@@ -132,13 +132,14 @@ def _store_only(monkeypatch: pytest.MonkeyPatch) -> None:
     _copies(monkeypatch, staging.STORE)
 
 
-def _copies(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+def _copies(monkeypatch: pytest.MonkeyPatch, mode: str, here: bool = False) -> None:
     """Connections probing from now on copy this way (``staging.DIRECT``: as the host allows;
     ``STAGED``: the host may not read the client's memory, as under Yama's ptrace_scope 1;
     ``STORE``: neither); but for ``DIRECT``, hosts may not write each other's memory either
-    (``copy_from`` between them goes through the store). Every copy goes through the host: no
-    connection maps the host's memory (:mod:`aiotinyrt.ray.shared`)."""
-    monkeypatch.setattr(shared.HostMemory, "known", lambda self, rid: False)
+    (``copy_from`` between them goes through the store). Every copy goes through the host
+    unless ``here``: no connection maps the host's memory (:mod:`aiotinyrt.ray.shared`)."""
+    if not here:
+        monkeypatch.setattr(shared.HostMemory, "known", lambda self, rid: False)
     real = Host.stage
 
     async def stage(self: Host, client: str, where: Any, token: bytes) -> tuple[bool, int, str]:
@@ -1418,10 +1419,20 @@ def test_closing_a_connection_after_ray_shut_down_starts_no_new_ray(monkeypatch:
 
 
 # ---- copies made here, into and out of the host's memory (aiotinyrt/ray/shared.py) ------------
-async def _named(stand_in: StandIn, anyio_backend: Any, tag: str) -> tuple[client.RAYDevice, Buffer, Any]:
+async def _named(
+    stand_in: StandIn,
+    anyio_backend: Any,
+    tag: str,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+    mode: str = "",
+) -> tuple[client.RAYDevice, Buffer, Any]:
     """A device of a host of its own and a buffer of 1 MiB ints on it, filled through the host
-    (``x``, whose reply named the buffer's memory); and the connection's known host memory."""
-    _, dev = _own_device(stand_in, anyio_backend, tag)
+    (``arange``, whose reply named the buffer's memory), copying the ``mode`` way if given (as
+    :func:`_copies`); and the connection's known host memory."""
+    if mode:
+        assert monkeypatch is not None
+        _copies(monkeypatch, mode, here=True)
+    _, dev = _own_device(stand_in, anyio_backend, f"{tag}-{mode}")
     x = np.arange(1 << 18, dtype=np.int32)
     buf = await filled_buffer(dev.name, x)
     memory = dev.conn.staging.memory
@@ -1429,10 +1440,12 @@ async def _named(stand_in: StandIn, anyio_backend: Any, tag: str) -> tuple[clien
     return dev, buf, memory
 
 
+@pytest.mark.parametrize("mode", [staging.DIRECT, staging.STAGED])
 async def test_copies_of_an_idle_buffer_are_made_here_once_the_host_named_its_memory(
-    stand_in: StandIn, anyio_backend: Any
+    stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    dev, buf, memory = await _named(stand_in, anyio_backend, "here")
+    dev, buf, memory = await _named(stand_in, anyio_backend, "here", monkeypatch, mode)
+    assert dev.conn.staging.mode == mode
     prog = await dev.program("add1", ADD_SRC)
     calls = dev.conn.calls
     out = np.empty(1 << 18, np.int32)
@@ -1539,4 +1552,79 @@ async def test_a_freed_buffer_is_forgotten_and_a_reconnection_forgets_every_one(
     assert not memory.known(rid) and rid not in memory._maps
     dev.conn.staging.reconnected()
     assert not memory.known(other.handle().id)
+    await dev.aclose()
+
+
+async def test_a_close_cut_short_releases_the_buffers_only_after_a_copy_made_here_ended(
+    stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # released under the copy, the host's memory would go to its next buffer of that size while
+    # this process still writes it
+    dev, buf, memory = await _named(stand_in, anyio_backend, "close-cut")
+    host = stand_in._hosts[dev.name.split(":")[1].split("/")[0]]
+    real, go = shared.copy, threading.Event()
+
+    def gated(dst: int, src: int, nbytes: int) -> None:
+        go.wait(30)
+        real(dst, src, nbytes)
+
+    monkeypatch.setattr(shared, "copy", gated)
+    sig = buf._enqueue_copy(memoryview(np.full(1 << 18, 7, np.int32)), into=True)
+    release, copy_done_then = host._ops[wire.RELEASE], []
+
+    async def watched(*args: Any) -> Any:
+        copy_done_then.append(sig.done())
+        return await release(*args)
+
+    monkeypatch.setitem(host._ops, wire.RELEASE, watched)
+    monkeypatch.setenv("CLOSE_TIMEOUT_S", "0.2")  # (the close stops waiting for the queue)
+    drivers = [q.driver for q in dev.queues.values()]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dev.aclose)
+        # the gate opens once the close waits for the copy (or, wrongly, released without it)
+        await anyio.to_thread.run_sync(
+            _until, lambda: bool(copy_done_then) or any(d.waiting for d in drivers)
+        )
+        go.set()
+    assert copy_done_then == [True] and sig.done() and memory.copies == 1
+
+
+async def test_a_copier_that_takes_no_work_sends_the_copy_through_the_host(
+    stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "no-copier")
+
+    class Refusing:
+        def submit(self, *args: Any) -> None:  # (as a thread pool at interpreter exit)
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(client, "_copier", Refusing)
+    out = np.empty(1 << 18, np.int32)
+    await buf.copyout(out)
+    await buf.copyin(out[::-1].copy())
+    await buf.copyout(out)
+    assert (out == np.arange(1 << 18)[::-1]).all() and memory.copies == 0
+    await dev.aclose()
+
+
+async def test_buffers_released_at_close_are_forgotten_here(stand_in: StandIn, anyio_backend: Any) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "released")
+    await buf.copyout(np.empty(1 << 18, np.int32))  # (mapped here)
+    rid = buf.handle().id
+    assert rid in memory._maps
+    await dev.aclose()
+    assert not memory.known(rid) and rid not in memory._maps
+
+
+async def test_no_copy_is_made_here_once_the_hosts_process_ended(
+    stand_in: StandIn, anyio_backend: Any
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "ended")
+    await buf.copyout(np.empty(1 << 18, np.int32))  # (mapped here)
+    stand_in.kill(dev.name.split(":")[1].split("/")[0])
+    with pytest.raises(DeviceError, match="device lost"):
+        await buf.copyin(np.ones(1 << 18, np.int32))
+    with pytest.raises(DeviceError, match="device lost"):
+        await buf.copyout(np.empty(1 << 18, np.int32))
+    assert memory.copies == 1
     await dev.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 from typing import Any
 
 from aiotinyrt import native
@@ -125,6 +126,12 @@ class CPUMemory:
         return f"<CPUMemory 0x{self.addr:x} {self.nbytes} bytes>"
 
 
+def fd_limit() -> int:
+    """This process's limit of open file descriptors (the soft one)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
 class CPUAllocator(LRUAllocator[CPUMemory]):
     """Page-aligned anonymous mmap memory; zero-copy host views."""
 
@@ -138,7 +145,8 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
     #: user may map the same pages through ``/proc/<pid>/fd/<fd>`` (a RAY device host sets it:
     #: its clients on the same machine copy with one ``memcpy``). None (the default): anonymous
     #: memory, no file descriptor per buffer. Where no file can be made (no ``memfd_create``, out
-    #: of file descriptors) the memory is anonymous all the same.
+    #: of file descriptors) the memory is anonymous all the same, as it is once memory files would
+    #: hold half of the process's file descriptor limit (each holds two: its own and its mmap's).
     shared_min: int | None = None
 
     def __init__(self, device: Compiled) -> None:
@@ -147,33 +155,51 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         # while some were (unmapped when the last goes)
         self._views: dict[int, int] = {}
         self._parked: dict[int, mmap.mmap] = {}
+        self._files = 0  # memory files allocated and not freed (see shared_min)
 
     def _alloc(self, nbytes: int, options: BufferSpec) -> CPUMemory:
         if options.external_ptr is not None:
             return CPUMemory(None, options.external_ptr, 0, nbytes)
-        fd = -1
-        if self.shared_min is not None and nbytes >= self.shared_min and hasattr(os, "memfd_create"):
-            try:
-                fd = os.memfd_create(f"aiotinyrt-{self.device.name}", os.MFD_CLOEXEC)
-                os.ftruncate(fd, nbytes)
-            except OSError:  # (out of file descriptors, or of memory for the file: anonymous)
-                if fd >= 0:
-                    os.close(fd)
-                fd = -1
+        fd = self._memory_file(nbytes)
         try:
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
             if fd >= 0:
-                os.close(fd)
+                self._close_file(fd)
             raise
         return CPUMemory(mm, int(ffi.cast("uintptr_t", ffi.from_buffer(mm))), 0, nbytes, fd)
+
+    def _memory_file(self, nbytes: int) -> int:
+        """A memory file of ``nbytes`` for a new allocation (see :attr:`shared_min`), or -1."""
+        if self.shared_min is None or nbytes < self.shared_min or not hasattr(os, "memfd_create"):
+            return -1
+        with self._lock:
+            if 2 * (self._files + 1) > fd_limit() // 2:
+                return -1
+            self._files += 1
+        fd = -1
+        try:
+            fd = os.memfd_create(f"aiotinyrt-{self.device.name}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+        except OSError:  # (out of file descriptors, or of memory for the file: anonymous)
+            if fd >= 0:
+                os.close(fd)
+            with self._lock:
+                self._files -= 1
+            return -1
+        return fd
+
+    def _close_file(self, fd: int) -> None:
+        os.close(fd)
+        with self._lock:
+            self._files -= 1
 
     def _free(self, opaque: CPUMemory, nbytes: int, options: BufferSpec) -> None:
         mm = opaque.mm
         if mm is None:
             return
         if opaque.fd >= 0:  # (the mapping keeps the pages; no process maps them anew from here)
-            os.close(opaque.fd)
+            self._close_file(opaque.fd)
             opaque.fd = -1
         with self._lock:  # called from worker threads too
             if id(mm) in self._views:  # a view from as_memoryview() still uses it: when it goes

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -177,6 +178,15 @@ _COPIER: concurrent.futures.ThreadPoolExecutor | None = None
 _COPIER_LOCK = threading.Lock()
 
 
+def _forget_copier() -> None:
+    """In a forked child: the parent's copier threads are not there."""
+    global _COPIER, _COPIER_LOCK
+    _COPIER, _COPIER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_copier)
+
+
 def _copier() -> concurrent.futures.ThreadPoolExecutor:
     """The threads that make the copies of :mod:`aiotinyrt.ray.shared` (made at first use)."""
     global _COPIER
@@ -291,9 +301,11 @@ class _QueueDriver:
         self.device = device
         self.queue = queue
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # (notified when ``_held`` becomes None)
         #: commands handed over while a copy made here is under way, sent in order once it is
         #: done (None: no such copy)
         self._held: collections.deque[_Held] | None = None
+        self.waiting = 0  #: threads in :meth:`wait_idle` (tests look)
 
     def enqueue(
         self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
@@ -304,19 +316,22 @@ class _QueueDriver:
                 return None  # (no event: a dependent on another queue is held back until done)
             here = self._here(fn, args, waits, done)
             if here is not None:
-                self._held = collections.deque()
-        if here is None:
-            return self._send(fn, args, waits, done)
-        _copier().submit(self._copy_here, here, (fn, args, waits, done))
-        return None
+                try:
+                    _copier().submit(self._copy_here, here, (fn, args, waits, done))
+                except RuntimeError:  # (no thread to be had, as at interpreter exit: the host's)
+                    here = None
+                else:
+                    self._held = collections.deque()
+                    return None
+        return self._send(fn, args, waits, done)
 
     def _here(
         self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
     ) -> tuple[int, int, np.ndarray[Any, Any], bool] | None:
         """``(buffer id, offset, host array, into the buffer)`` when the command is a copy to
         make here: large, of a buffer whose memory file is known, every command it depends on
-        complete (``waits`` empty) and none of this queue still in flight before it; else None.
-        Caller holds ``_lock``."""
+        complete (``waits`` empty) and none of this queue still in flight before it, on a device
+        without an error and a host not known lost; else None. Caller holds ``_lock``."""
         if waits or not isinstance(done, Completion):
             return None
         func = getattr(fn, "__func__", None)
@@ -328,22 +343,27 @@ class _QueueDriver:
             array = np.frombuffer(src, np.uint8)
         else:
             return None
-        if array.nbytes <= wire.INLINE_BYTES or not self.device.conn.staging.memory.known(handle.id):
+        dev = self.device
+        conn = dev.conn
+        if array.nbytes <= wire.INLINE_BYTES or not conn.staging.memory.known(handle.id):
             return None
-        if done.queue.timeline.completed < done.value - 1:
+        if done.queue.timeline.completed < done.value - 1 or dev._error is not None or conn.lost is not None:
             return None
         return handle.id, handle.offset, array, func is RemoteAllocator._copyin
 
     def _copy_here(self, here: tuple[int, int, np.ndarray[Any, Any], bool], cmd: _Held) -> None:
         """Make the copy ``here`` (a copier thread), or send ``cmd`` to the host when the
-        buffer's memory does not map here; then the commands held meanwhile."""
+        buffer's memory does not map here or its host's process ended (the host call then
+        finds out what became of it); then the commands held meanwhile."""
         rid, offset, array, into = here
-        done = cmd[3]
         try:
             memory = self.device.conn.staging.memory
-            view = memory.view(rid, offset, array.nbytes)
+            try:
+                view = memory.view(rid, offset, array.nbytes)
+            except Exception:  # (never a copy here that may be wrong: the host's way)
+                view = None
             if view is None:
-                self._send(*cmd)
+                self._send_or_fail(cmd)
             else:
                 start = time.perf_counter()
                 if into:
@@ -352,9 +372,7 @@ class _QueueDriver:
                     shared.copy(staging.address(array), staging.address(view), array.nbytes)
                 memory.copies += 1
                 del view
-                done(time.perf_counter() - start, None)
-        except Exception as exc:  # (a send refused: the command fails, as in ``enqueue``)
-            done(0.0, exc)
+                cmd[3](time.perf_counter() - start, None)
         finally:
             self._release()
 
@@ -365,16 +383,34 @@ class _QueueDriver:
                 held = self._held
                 if not held:
                     self._held = None
+                    self._idle.notify_all()
                     return
                 cmd = held.popleft()
-                here = self._here(*cmd)
-            if here is not None:
-                _copier().submit(self._copy_here, here, cmd)
-                return
+                try:
+                    here = self._here(*cmd)
+                    if here is not None:
+                        _copier().submit(self._copy_here, here, cmd)
+                        return
+                except Exception:  # (the host's way)
+                    pass
+            self._send_or_fail(cmd)
+
+    def _send_or_fail(self, cmd: _Held) -> None:
+        """Send a command held here; one that cannot be sent fails (as in ``enqueue``)."""
+        try:
+            self._send(*cmd)
+        except Exception as exc:
+            cmd[3](0.0, exc)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no copy made here is under way and nothing is held (a blocking wait, for
+        ``RAYDevice.aclose``): whether that happened within ``timeout`` seconds."""
+        with self._idle:
+            self.waiting += 1
             try:
-                self._send(*cmd)
-            except Exception as exc:
-                cmd[3](0.0, exc)
+                return self._idle.wait_for(lambda: self._held is None, timeout)
+            finally:
+                self.waiting -= 1
 
     def _send(
         self, fn: Callable[..., object], args: tuple[Any, ...], waits: Sequence[object], done: Done
@@ -603,11 +639,31 @@ class RAYDevice(Compiled):
         with anyio.CancelScope(shield=True):
             self.released = True
             conn = self.conn
-            if conn.lost is None:
-                with contextlib.suppress(DeviceError):  # (the host is gone: so is its memory)
-                    held = sorted(self.memory.held)
+            # (a copy made here into or out of a buffer about to be released ends first, and the
+            # commands held behind it are sent before the release: a close cut short by its
+            # timeout or a cancellation never frees host memory under a copy of this process)
+            drivers = [q.driver for q in self.queues.values() if isinstance(q, DriverQueue)]
+            idle = await anyio.to_thread.run_sync(_all_idle, drivers)
+            held = sorted(self.memory.held)
+            for rid in held:
+                conn.staging.memory.forget(rid)
+            if conn.lost is None and idle:  # (else the memory is left to the host: never freed
+                with contextlib.suppress(DeviceError):  # under a copy; the host is gone: so is it)
                     self.memory.held.clear()
                     await conn.request((wire.RELEASE, self.remote_name, held), self.name)
+
+
+def _all_idle(drivers: list[Any]) -> bool:
+    """Wait until no driver of ``drivers`` makes a copy here (:data:`IDLE_WAIT_S` in all at
+    most; a copy is one ``memcpy``): whether none does."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    return all(
+        d.wait_idle(max(0.0, deadline - time.monotonic())) for d in drivers if isinstance(d, _QueueDriver)
+    )
+
+
+#: How long closing waits for the copies this process makes into or out of its buffers.
+IDLE_WAIT_S = 60.0
 
 
 Device.register("RAY", RAYDevice)

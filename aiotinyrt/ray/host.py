@@ -349,7 +349,7 @@ class Host:
         """The reply entry of a copy with a client on this machine: where the client finds the
         buffer's memory file, if it is one (:mod:`aiotinyrt.ray.shared`), else just done."""
         base = bufs[ref[0]][1]
-        where = shared.locate(base.handle(), base.nbytes, process_here())  # (the file's process)
+        where = shared.locate(base.handle(), base.nbytes, process_here(), self.process)
         return 0.0 if where is None else (0.0, None, where, None)
 
     async def _unstage(self, client: str, bufs: Buffers, sigs: Pending, cmd: Command) -> Any:

@@ -48,9 +48,10 @@ SPLIT_BYTES = 8 << 20
 
 
 class Shared(NamedTuple):
-    """A host buffer's memory file on the wire: the host's pid and start time, the file's
-    descriptor there and its inode, the file's size, and where the buffer starts in it and how
-    many bytes it has."""
+    """A host buffer's memory file on the wire: the pid and start time of the process whose
+    descriptor it is, the descriptor and the file's inode, the file's size, where the buffer
+    starts in it and how many bytes it has; and the host's process (its pid and start time, as
+    its probe reports it): no copy is made here once that has ended."""
 
     pid: int
     started: str
@@ -59,16 +60,18 @@ class Shared(NamedTuple):
     size: int
     offset: int
     nbytes: int
+    host: tuple[int, str]
 
 
-def locate(memory: Any, nbytes: int, process: tuple[int, str]) -> Shared | None:
-    """Where another process finds a host buffer of ``nbytes`` whose handle is ``memory``
-    (``CPUMemory``; anything else: None) in this host ``process``, or None: not a memory file."""
+def locate(memory: Any, nbytes: int, process: tuple[int, str], host: tuple[int, str]) -> Shared | None:
+    """Where another process finds a buffer of ``nbytes`` whose handle is ``memory``
+    (``CPUMemory``; anything else: None) of this ``process``, the host's process being
+    ``host``; None: not a memory file."""
     fd = getattr(memory, "fd", -1)
     mm = getattr(memory, "mm", None)
     if fd < 0 or mm is None:
         return None
-    return Shared(process[0], process[1], fd, os.fstat(fd).st_ino, len(mm), memory.offset, nbytes)
+    return Shared(*process, fd, os.fstat(fd).st_ino, len(mm), memory.offset, nbytes, host)
 
 
 class HostMemory:
@@ -110,12 +113,15 @@ class HostMemory:
 
     def view(self, rid: int, offset: int, nbytes: int) -> np.ndarray[Any, Any] | None:
         """``nbytes`` of buffer ``rid`` from ``offset``, mapped here; None when the buffer is not
-        known, or its file does not open or is another (then :attr:`refused` is set)."""
+        known or its host's process has ended, or its file does not open or is another (then
+        :attr:`refused` is set)."""
         with self._lock:
             where = self._where.get(rid)
             mapped = self._maps.get(rid)
             generation = self.generation
         if where is None or offset < 0 or offset + nbytes > where.nbytes:
+            return None
+        if started(where.host[0]) != where.host[1]:  # (the host call finds out what became of it)
             return None
         if mapped is None:
             try:
@@ -133,6 +139,16 @@ class HostMemory:
         return mapped[start : start + nbytes]
 
 
+def started(pid: int) -> str:
+    """The start time of process ``pid`` (field 22 of its stat), or "" where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    return stat.rsplit(b")", 1)[-1].split()[19].decode()
+
+
 def _map(where: Shared) -> np.ndarray[Any, Any]:
     """The memory file ``where`` names, mapped here (``OSError`` when it does not open,
     ``ValueError`` when what opened is not that file of that process)."""
@@ -141,9 +157,7 @@ def _map(where: Shared) -> np.ndarray[Any, Any]:
         st = os.fstat(fd)
         if st.st_ino != where.ino or st.st_size < where.size or where.offset + where.nbytes > where.size:
             raise ValueError(f"/proc/{where.pid}/fd/{where.fd} is not the host's memory file")
-        from aiotinyrt.ray.staging import _started  # (staging holds this module's HostMemory)
-
-        if _started(where.pid) != where.started:  # (the host ended; its pid was reused)
+        if started(where.pid) != where.started:  # (the host ended; its pid was reused)
             raise ValueError(f"process {where.pid} is not the host")
         return np.frombuffer(mmap.mmap(fd, where.size), np.uint8)
     finally:

@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from aiotinyrt.ray.shared import HostMemory
+from aiotinyrt.ray.shared import started as _started
 
 #: How a connection's large copies travel (:attr:`Staging.mode`).
 DIRECT, STAGED, STORE = "direct", "staged", "store"
@@ -125,16 +126,6 @@ def gone(process: tuple[int, str], deadline: float, pause: float = 0.01) -> bool
 
 #: This process's pid and start time, once read.
 _SELF = (0, "")
-
-
-def _started(pid: int) -> str:
-    """The start time of process ``pid`` (field 22 of its stat), or "" where there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return ""
-    return stat.rsplit(b")", 1)[-1].split()[19].decode()
 
 
 class _Iovec(ctypes.Structure):
