@@ -407,3 +407,21 @@ async def test_memory_files_stop_at_half_the_file_descriptor_limit(monkeypatch: 
         dev.allocator.free_cache()
         third = await rt.Buffer(dev.name, 3 << 20, rt.dtypes.uint8).allocate()
         assert third.handle().fd >= 0  # (the first's file was closed: room again)
+
+
+async def test_a_memory_file_never_freed_is_closed_with_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    async with rt.open_device("CPU:8") as dev:
+        alloc = dev.allocator
+        monkeypatch.setattr(alloc, "shared_min", 1 << 20)
+        handle = await alloc.alloc(1 << 20)
+        fd, files = handle.fd, alloc._files
+        ino = os.fstat(fd).st_ino
+        del handle  # (dropped without a free: its mmap goes with it)
+        gc.collect()
+        assert alloc._files == files - 1
+        try:
+            assert os.fstat(fd).st_ino != ino
+        except OSError:
+            pass

@@ -1589,16 +1589,15 @@ async def test_a_close_cut_short_releases_the_buffers_only_after_a_copy_made_her
     assert copy_done_then == [True] and sig.done() and memory.copies == 1
 
 
-async def test_a_copier_that_takes_no_work_sends_the_copy_through_the_host(
+async def test_a_copy_whose_thread_does_not_start_goes_through_the_host(
     stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev, buf, memory = await _named(stand_in, anyio_backend, "no-copier")
 
-    class Refusing:
-        def submit(self, *args: Any) -> None:  # (as a thread pool at interpreter exit)
-            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+    def refused(*args: Any) -> None:  # (as under a thread limit)
+        raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(client, "_copier", Refusing)
+    monkeypatch.setattr(client, "_start_copy", refused)
     out = np.empty(1 << 18, np.int32)
     await buf.copyout(out)
     await buf.copyin(out[::-1].copy())
@@ -1628,3 +1627,48 @@ async def test_no_copy_is_made_here_once_the_hosts_process_ended(
         await buf.copyout(np.empty(1 << 18, np.int32))
     assert memory.copies == 1
     await dev.aclose()
+
+
+async def test_a_copy_made_here_that_fails_fails_its_command_and_the_queue_goes_on(
+    stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "copy-fails")
+
+    def broken(dst: int, src: int, nbytes: int) -> None:
+        raise OSError("the copy broke")
+
+    monkeypatch.setattr(shared, "copy", broken)
+    with anyio.fail_after(30), pytest.raises(DeviceError, match="the copy broke"):
+        await buf.copyout(np.empty(1 << 18, np.int32))
+    monkeypatch.undo()
+    await dev.reset()
+    out = np.empty(1 << 18, np.int32)
+    with anyio.fail_after(30):
+        await buf.copyout(out)
+    assert (out == np.arange(1 << 18)).all() and memory.copies == 1
+    await dev.aclose()
+
+
+async def test_no_copy_is_made_here_once_the_hosts_process_is_a_zombie(
+    stand_in: StandIn, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "zombie")
+    await buf.copyout(np.empty(1 << 18, np.int32))  # (mapped here)
+    host = stand_in._hosts[dev.name.split(":")[1].split("/")[0]]
+    child = stand_in._processes[id(host)]
+    child.kill()  # (not reaped: a zombie until the stand-in ends it)
+    await anyio.to_thread.run_sync(_until, lambda: staging.gone(host.process, time.monotonic()))
+    calls = dev.conn.calls
+    await buf.copyin(np.ones(1 << 18, np.int32))  # (the host itself still runs here: it copies)
+    assert memory.copies == 1 and dev.conn.calls > calls
+    await dev.aclose()
+
+
+async def test_a_cancelled_close_still_releases_the_buffers(stand_in: StandIn, anyio_backend: Any) -> None:
+    dev, buf, memory = await _named(stand_in, anyio_backend, "close-cancelled")
+    host = stand_in._hosts[dev.name.split(":")[1].split("/")[0]]
+    conn = dev.conn
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await dev.aclose()
+    assert await host.buffers(conn.client) == 0 and not memory.known(buf.handle().id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import resource
+import weakref
 from typing import Any
 
 from aiotinyrt import native
@@ -156,6 +157,7 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         self._views: dict[int, int] = {}
         self._parked: dict[int, mmap.mmap] = {}
         self._files = 0  # memory files allocated and not freed (see shared_min)
+        self._closers: dict[int, weakref.finalize[Any, Any]] = {}  # by fd: its closing, once
 
     def _alloc(self, nbytes: int, options: BufferSpec) -> CPUMemory:
         if options.external_ptr is not None:
@@ -167,6 +169,8 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
             if fd >= 0:
                 self._close_file(fd)
             raise
+        if fd >= 0:  # (closed at the free, or with the mmap if the memory is never freed)
+            self._closers[fd] = weakref.finalize(mm, self._close_file, fd)
         return CPUMemory(mm, int(ffi.cast("uintptr_t", ffi.from_buffer(mm))), 0, nbytes, fd)
 
     def _memory_file(self, nbytes: int) -> int:
@@ -190,16 +194,21 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
         return fd
 
     def _close_file(self, fd: int) -> None:
-        os.close(fd)
-        with self._lock:
+        """Close the memory file ``fd`` (once: called through its finalizer in ``_closers``)."""
+        with self._lock:  # (before the number can be reused)
             self._files -= 1
+            self._closers.pop(fd, None)
+        os.close(fd)
 
     def _free(self, opaque: CPUMemory, nbytes: int, options: BufferSpec) -> None:
         mm = opaque.mm
         if mm is None:
             return
         if opaque.fd >= 0:  # (the mapping keeps the pages; no process maps them anew from here)
-            self._close_file(opaque.fd)
+            with self._lock:
+                closer = self._closers.get(opaque.fd)
+            if closer is not None:
+                closer()
             opaque.fd = -1
         with self._lock:  # called from worker threads too
             if id(mm) in self._views:  # a view from as_memoryview() still uses it: when it goes

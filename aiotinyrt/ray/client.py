@@ -19,11 +19,9 @@ in the stream, after everything submitted before them.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import hashlib
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -174,26 +172,11 @@ def _staged_copyout(
     return cmd if seg is None else (*cmd, seg.staged)
 
 
-_COPIER: concurrent.futures.ThreadPoolExecutor | None = None
-_COPIER_LOCK = threading.Lock()
-
-
-def _forget_copier() -> None:
-    """In a forked child: the parent's copier threads are not there."""
-    global _COPIER, _COPIER_LOCK
-    _COPIER, _COPIER_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_copier)
-
-
-def _copier() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that make the copies of :mod:`aiotinyrt.ray.shared` (made at first use)."""
-    global _COPIER
-    with _COPIER_LOCK:
-        if _COPIER is None:
-            _COPIER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aiotinyrt-ray-copy")
-        return _COPIER
+def _start_copy(target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` on a thread of its own, for a copy of :mod:`aiotinyrt.ray.shared`
+    (``RuntimeError`` when no thread starts: then it never runs). A thread per copy, not a pool:
+    a pool may keep work it failed to start a thread for and run it later."""
+    threading.Thread(target=target, args=args, name="aiotinyrt-ray-copy", daemon=True).start()
 
 
 async def _get(ref: Any) -> Any:
@@ -317,7 +300,7 @@ class _QueueDriver:
             here = self._here(fn, args, waits, done)
             if here is not None:
                 try:
-                    _copier().submit(self._copy_here, here, (fn, args, waits, done))
+                    _start_copy(self._copy_here, here, (fn, args, waits, done))
                 except RuntimeError:  # (no thread to be had, as at interpreter exit: the host's)
                     here = None
                 else:
@@ -356,6 +339,7 @@ class _QueueDriver:
         buffer's memory does not map here or its host's process ended (the host call then
         finds out what became of it); then the commands held meanwhile."""
         rid, offset, array, into = here
+        reported = False
         try:
             memory = self.device.conn.staging.memory
             try:
@@ -363,6 +347,7 @@ class _QueueDriver:
             except Exception:  # (never a copy here that may be wrong: the host's way)
                 view = None
             if view is None:
+                reported = True
                 self._send_or_fail(cmd)
             else:
                 start = time.perf_counter()
@@ -372,7 +357,11 @@ class _QueueDriver:
                     shared.copy(staging.address(array), staging.address(view), array.nbytes)
                 memory.copies += 1
                 del view
+                reported = True
                 cmd[3](time.perf_counter() - start, None)
+        except Exception as exc:  # (the command completes whatever happened)
+            if not reported:
+                cmd[3](0.0, exc)
         finally:
             self._release()
 
@@ -389,9 +378,9 @@ class _QueueDriver:
                 try:
                     here = self._here(*cmd)
                     if here is not None:
-                        _copier().submit(self._copy_here, here, cmd)
+                        _start_copy(self._copy_here, here, cmd)
                         return
-                except Exception:  # (the host's way)
+                except Exception:  # (the host's way: the thread did not start)
                     pass
             self._send_or_fail(cmd)
 
@@ -635,7 +624,13 @@ class RAYDevice(Compiled):
         host's statistics show it).
 
         Cancellation: shielded; closing always completes."""
-        await super().aclose()
+        try:
+            await super().aclose()
+        finally:
+            await self._release_buffers()
+
+    async def _release_buffers(self) -> None:
+        """The end of :meth:`aclose` (also when the close was cancelled)."""
         with anyio.CancelScope(shield=True):
             self.released = True
             conn = self.conn

@@ -140,13 +140,14 @@ class HostMemory:
 
 
 def started(pid: int) -> str:
-    """The start time of process ``pid`` (field 22 of its stat), or "" where there is none."""
+    """The start time of process ``pid`` (field 22 of its stat), or "" where there is none or
+    it has ended (a zombie: it runs no more)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            fields = f.read().rsplit(b")", 1)[-1].split()
     except OSError:
         return ""
-    return stat.rsplit(b")", 1)[-1].split()[19].decode()
+    return "" if fields[0] in (b"Z", b"X") else fields[19].decode()
 
 
 def _map(where: Shared) -> np.ndarray[Any, Any]:
@@ -173,7 +174,11 @@ def copy(dst: int, src: int, nbytes: int) -> None:
     half = nbytes // 2
     rest = (dst + half, src + half, nbytes - half)
     helper = threading.Thread(target=ctypes.memmove, args=rest, name="aiotinyrt-copy", daemon=True)
-    helper.start()
+    try:
+        helper.start()
+    except RuntimeError:  # (no thread to be had: the whole copy here)
+        ctypes.memmove(dst, src, nbytes)
+        return
     try:
         ctypes.memmove(dst, src, half)
     finally:
