@@ -412,6 +412,15 @@ def test_a_build_on_a_server_that_died_while_idle_is_run_on_a_fresh_one() -> Non
         pool.close()
 
 
+def test_a_build_sent_to_a_server_already_gone_is_a_compile_error() -> None:
+    # the request stays in the pipe's buffer (nobody reads it): closing the pipe must not raise
+    server = cl_build.BuildServer(0)
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    with pytest.raises(CompileError, match="the compile server exited"):
+        server.build("__kernel void w(__global int* a) { a[0] = 1; }")
+
+
 async def test_a_command_whose_wait_list_holds_a_failed_event_fails_as_not_run_because_of_it() -> None:
     dev = Device["CL"]
     cl, err = ocl.lib(), ffi.new("cl_int*")
