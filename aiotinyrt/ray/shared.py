@@ -43,9 +43,6 @@ import numpy as np
 #: each while allocated; copies of up to ``wire.INLINE_BYTES`` travel in the call anyway).
 SHARED_MIN = 1 << 20
 
-#: Copies of at least this many bytes are split between two threads.
-SPLIT_BYTES = 8 << 20
-
 
 class Shared(NamedTuple):
     """A host buffer's memory file on the wire: the pid and start time of the process whose
@@ -166,20 +163,7 @@ def _map(where: Shared) -> np.ndarray[Any, Any]:
 
 
 def copy(dst: int, src: int, nbytes: int) -> None:
-    """``memcpy`` of ``nbytes`` from address ``src`` to ``dst`` (the GIL released), in two
-    threads from :data:`SPLIT_BYTES` on."""
-    if nbytes < SPLIT_BYTES or (os.cpu_count() or 1) < 2:
-        ctypes.memmove(dst, src, nbytes)
-        return
-    half = nbytes // 2
-    rest = (dst + half, src + half, nbytes - half)
-    helper = threading.Thread(target=ctypes.memmove, args=rest, name="aiotinyrt-copy", daemon=True)
-    try:
-        helper.start()
-    except RuntimeError:  # (no thread to be had: the whole copy here)
-        ctypes.memmove(dst, src, nbytes)
-        return
-    try:
-        ctypes.memmove(dst, src, half)
-    finally:
-        helper.join()
+    """``memcpy`` of ``nbytes`` from address ``src`` to ``dst``, the GIL released. One thread:
+    two gained nothing here (64 MiB out of a host's memory: 13.8 ms in two threads against 11.5
+    in one, medians of 15 beside Ray's own threads on 2 cores)."""
+    ctypes.memmove(dst, src, nbytes)
