@@ -170,7 +170,8 @@ class CPUAllocator(LRUAllocator[CPUMemory]):
                 self._close_file(fd)
             raise
         if fd >= 0:  # (closed at the free, or with the mmap if the memory is never freed)
-            self._closers[fd] = weakref.finalize(mm, self._close_file, fd)
+            closer = self._closers[fd] = weakref.finalize(mm, self._close_file, fd)
+            closer.atexit = False  # (at exit the process's descriptors go anyway: no lock then)
         return CPUMemory(mm, int(ffi.cast("uintptr_t", ffi.from_buffer(mm))), 0, nbytes, fd)
 
     def _memory_file(self, nbytes: int) -> int:

@@ -102,11 +102,13 @@ class HostMemory:
             self._maps.pop(rid, None)
 
     def clear(self) -> None:
-        """Forget every buffer (the connection moves to another host, or closes)."""
+        """Forget every buffer (the connection moves to another host, or closes); the next host's
+        files may open here: try again."""
         with self._lock:
             self._where.clear()
             self._maps.clear()
             self.generation += 1
+            self.refused = False
 
     def view(self, rid: int, offset: int, nbytes: int) -> np.ndarray[Any, Any] | None:
         """``nbytes`` of buffer ``rid`` from ``offset``, mapped here; None when the buffer is not
