@@ -1598,7 +1598,7 @@ async def test_a_copy_whose_thread_does_not_start_goes_through_the_host(
     def refused(*args: Any) -> None:  # (as under a thread limit)
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(client, "_start_copy", refused)
+    monkeypatch.setattr(shared, "start", refused)
     out = np.empty(1 << 18, np.int32)
     await buf.copyout(out)
     await buf.copyin(out[::-1].copy())

@@ -172,13 +172,6 @@ def _staged_copyout(
     return cmd if seg is None else (*cmd, seg.staged)
 
 
-def _start_copy(target: Callable[..., None], *args: Any) -> None:
-    """Run ``target(*args)`` on a thread of its own, for a copy of :mod:`aiotinyrt.ray.shared`
-    (``RuntimeError`` when no thread starts: then it never runs). A thread per copy, not a pool:
-    a pool may keep work it failed to start a thread for and run it later."""
-    threading.Thread(target=target, args=args, name="aiotinyrt-ray-copy", daemon=True).start()
-
-
 async def _get(ref: Any) -> Any:
     """The value of a Ray ref, waited for off the loop (any event loop). Cancellation: cancels
     the wait; the remote call goes on."""
@@ -300,7 +293,7 @@ class _QueueDriver:
             here = self._here(fn, args, waits, done)
             if here is not None:
                 try:
-                    _start_copy(self._copy_here, here, (fn, args, waits, done))
+                    shared.start(self._copy_here, here, (fn, args, waits, done))
                 except RuntimeError:  # (no thread to be had, as at interpreter exit: the host's)
                     here = None
                 else:
@@ -378,7 +371,7 @@ class _QueueDriver:
                 try:
                     here = self._here(*cmd)
                     if here is not None:
-                        _start_copy(self._copy_here, here, cmd)
+                        shared.start(self._copy_here, here, cmd)
                         return
                 except Exception:  # (the host's way: the thread did not start)
                     pass
@@ -637,8 +630,9 @@ class RAYDevice(Compiled):
             # (a copy made here into or out of a buffer about to be released ends first, and the
             # commands held behind it are sent before the release: a close cut short by its
             # timeout or a cancellation never frees host memory under a copy of this process)
-            drivers = [q.driver for q in self.queues.values() if isinstance(q, DriverQueue)]
-            idle = await anyio.to_thread.run_sync(_all_idle, drivers)
+            queues = [q for q in self.queues.values() if isinstance(q, DriverQueue)]
+            drivers = [q.driver for q in queues if isinstance(q.driver, _QueueDriver)]
+            idle = await anyio.to_thread.run_sync(shared.all_idle, drivers)
             held = sorted(self.memory.held)
             for rid in held:
                 conn.staging.memory.forget(rid)
@@ -646,19 +640,6 @@ class RAYDevice(Compiled):
                 with contextlib.suppress(DeviceError):  # under a copy; the host is gone: so is it)
                     self.memory.held.clear()
                     await conn.request((wire.RELEASE, self.remote_name, held), self.name)
-
-
-def _all_idle(drivers: list[Any]) -> bool:
-    """Wait until no driver of ``drivers`` makes a copy here (:data:`IDLE_WAIT_S` in all at
-    most; a copy is one ``memcpy``): whether none does."""
-    deadline = time.monotonic() + IDLE_WAIT_S
-    return all(
-        d.wait_idle(max(0.0, deadline - time.monotonic())) for d in drivers if isinstance(d, _QueueDriver)
-    )
-
-
-#: How long closing waits for the copies this process makes into or out of its buffers.
-IDLE_WAIT_S = 60.0
 
 
 Device.register("RAY", RAYDevice)

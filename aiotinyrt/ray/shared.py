@@ -35,9 +35,15 @@ import ctypes
 import mmap
 import os
 import threading
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+
+#: How long closing a device waits for the copies this process makes into or out of its buffers
+#: (:func:`all_idle`).
+IDLE_WAIT_S = 60.0
 
 #: CPU buffers of a device host of at least this many bytes are memory files (one descriptor
 #: each while allocated; copies of up to ``wire.INLINE_BYTES`` travel in the call anyway).
@@ -169,3 +175,21 @@ def copy(dst: int, src: int, nbytes: int) -> None:
     two gained nothing here (64 MiB out of a host's memory: 13.8 ms in two threads against 11.5
     in one, medians of 15 beside Ray's own threads on 2 cores)."""
     ctypes.memmove(dst, src, nbytes)
+
+
+def start(target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` on a thread of its own, for a copy made here (``RuntimeError`` when
+    no thread starts: then it never runs). A thread per copy, not a pool: a pool may keep work it
+    failed to start a thread for and run it later."""
+    threading.Thread(target=target, args=args, name="aiotinyrt-ray-copy", daemon=True).start()
+
+
+class _Idles(Protocol):
+    def wait_idle(self, timeout: float) -> bool: ...
+
+
+def all_idle(drivers: Sequence[_Idles]) -> bool:
+    """Wait until none of ``drivers`` (a device's queue drivers) makes a copy here
+    (:data:`IDLE_WAIT_S` in all at most; a copy is one ``memcpy``): whether none does."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    return all(d.wait_idle(max(0.0, deadline - time.monotonic())) for d in drivers)
