@@ -25,8 +25,9 @@ The memory stays mapped here while the buffer is allocated (a copy under way hol
 view, so a buffer freed meanwhile is unmapped after it). Opening the file needs the rights of
 reading ``/proc/<pid>/fd`` of the host (the same user; not refused by Yama's ``ptrace_scope``
 1, which guards attaching only). A file that does not open, or is another than named (another
-inode, a host process that ended), makes the connection stop asking (:attr:`HostMemory.refused`)
-and that copy go through the host as before.
+inode, a process that ended), makes the connection stop asking (:attr:`HostMemory.refused`)
+until it moves to another host, and that copy go through the host as before; so does each copy
+once the host's process has ended (the host call finds out what became of it).
 """
 
 from __future__ import annotations
