@@ -111,12 +111,7 @@ def gone(process: tuple[int, str], deadline: float, pause: float = 0.01) -> bool
     another process's start time, or a zombie's: it runs no more)."""
     pid, started = process
     while True:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[-1].split()
-        except OSError:
-            return True
-        if fields[19].decode() != started or fields[0] in (b"Z", b"X"):
+        if _started(pid) != started:  # ("" for no such pid, or a zombie)
             return True
         left = deadline - time.monotonic()
         if left <= 0:
