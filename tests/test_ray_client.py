@@ -831,11 +831,17 @@ async def test_a_host_lost_during_a_large_copy_fails_it_and_a_reset_probes_the_n
         assert len(conn.staging._free) == conn.staging.made  # (the piece's segment came back)
     stand_in.start(name)
     await dev.reset()
-    again = await filled_buffer(dev.name, np.full(nbytes, 5, np.uint8))
-    await again.copyout(out)
-    assert (out == 5).all()
+    await _copies_again(dev, out, 5)
     assert conn.staging.mode == mode and stand_in.calls["stage"] > probes  # (the new host probed)
     await dev.aclose()
+
+
+async def _copies_again(dev: client.RAYDevice, out: np.ndarray[Any, Any], value: int) -> None:
+    """A buffer filled with ``value`` copies back out into ``out`` exactly (the device works
+    again, after a reset)."""
+    again = await filled_buffer(dev.name, np.full(out.size, value, out.dtype))
+    await again.copyout(out)
+    assert (out == value).all()
 
 
 def _until(ready: Callable[[], bool]) -> None:
@@ -1044,9 +1050,7 @@ async def test_a_copy_whose_host_is_only_unavailable_fails_once_the_host_is_dead
         assert len(dev.conn.staging._free) == dev.conn.staging.made  # (its segment came back)
     stand_in.start(name)
     await dev.reset()
-    again = await filled_buffer(dev.name, np.full(nbytes, 3, np.uint8))
-    await again.copyout(out)
-    assert (out == 3).all()
+    await _copies_again(dev, out, 3)
     await dev.aclose()
 
 
@@ -1304,10 +1308,7 @@ async def test_a_copy_whose_reply_cannot_be_read_fails_and_leaves_its_host_runni
     assert not isinstance(failed.value.cause, wire.HostAdrift)
     assert kills == [] and name in stand_in.hosts()
     await dev.reset()  # (the same host, reconnected)
-    again = await filled_buffer(dev.name, np.full(nbytes, 3, np.uint8))
-    out = np.zeros(nbytes, np.uint8)
-    await again.copyout(out)
-    assert (out == 3).all()
+    await _copies_again(dev, np.zeros(nbytes, np.uint8), 3)
     await dev.aclose()
 
 
@@ -1419,6 +1420,11 @@ def test_closing_a_connection_after_ray_shut_down_starts_no_new_ray(monkeypatch:
 
 
 # ---- copies made here, into and out of the host's memory (aiotinyrt/ray/shared.py) ------------
+def _host_name(dev: client.RAYDevice) -> str:
+    """The name of ``dev``'s host (``RAY:<host>/<device>``)."""
+    return dev.name.split(":")[1].split("/")[0]
+
+
 async def _named(
     stand_in: StandIn,
     anyio_backend: Any,
@@ -1562,7 +1568,7 @@ async def test_a_close_cut_short_releases_the_buffers_only_after_a_copy_made_her
     # released under the copy, the host's memory would go to its next buffer of that size while
     # this process still writes it
     dev, buf, memory = await _named(stand_in, anyio_backend, "close-cut")
-    host = stand_in._hosts[dev.name.split(":")[1].split("/")[0]]
+    host = stand_in._hosts[_host_name(dev)]
     real, go = shared.copy, threading.Event()
 
     def gated(dst: int, src: int, nbytes: int) -> None:
@@ -1621,7 +1627,7 @@ async def test_no_copy_is_made_here_once_the_hosts_process_ended(
 ) -> None:
     dev, buf, memory = await _named(stand_in, anyio_backend, "ended")
     await buf.copyout(np.empty(1 << 18, np.int32))  # (mapped here)
-    stand_in.kill(dev.name.split(":")[1].split("/")[0])
+    stand_in.kill(_host_name(dev))
     with pytest.raises(DeviceError, match="device lost"):
         await buf.copyin(np.ones(1 << 18, np.int32))
     with pytest.raises(DeviceError, match="device lost"):
@@ -1655,7 +1661,7 @@ async def test_no_copy_is_made_here_once_the_hosts_process_is_a_zombie(
 ) -> None:
     dev, buf, memory = await _named(stand_in, anyio_backend, "zombie")
     await buf.copyout(np.empty(1 << 18, np.int32))  # (mapped here)
-    host = stand_in._hosts[dev.name.split(":")[1].split("/")[0]]
+    host = stand_in._hosts[_host_name(dev)]
     child = stand_in._processes[id(host)]
     child.kill()  # (not reaped: a zombie until the stand-in ends it)
     await anyio.to_thread.run_sync(_until, lambda: staging.gone(host.process, time.monotonic()))
@@ -1667,7 +1673,7 @@ async def test_no_copy_is_made_here_once_the_hosts_process_is_a_zombie(
 
 async def test_a_cancelled_close_still_releases_the_buffers(stand_in: StandIn, anyio_backend: Any) -> None:
     dev, buf, memory = await _named(stand_in, anyio_backend, "close-cancelled")
-    host = stand_in._hosts[dev.name.split(":")[1].split("/")[0]]
+    host = stand_in._hosts[_host_name(dev)]
     conn = dev.conn
     with anyio.CancelScope() as scope:
         scope.cancel()
