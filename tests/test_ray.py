@@ -182,11 +182,16 @@ async def test_bad_names(host: str) -> None:
     await a.free()
 
 
-async def test_copy_from_host_to_host(host: str) -> None:
-    other = "t2"
-    if other not in airay.running_hosts():
-        actor = airay.start_host(other)
+async def _second_host() -> str:
+    """The name of a second device host, ``t2``, started if not running yet."""
+    if "t2" not in airay.running_hosts():
+        actor = airay.start_host("t2")
         await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
+    return "t2"
+
+
+async def test_copy_from_host_to_host(host: str) -> None:
+    other = await _second_host()
     x = np.random.default_rng(3).integers(-(2**31), 2**31, N, dtype=np.int32)
     src = await filled_buffer(f"RAY:{host}/CPU", x)
     for name in (f"RAY:{host}/CPU:1", f"RAY:{other}/CPU"):  # same host, then another host
@@ -227,10 +232,7 @@ async def test_large_copies_are_bit_exact_every_way_between_processes(
 
 
 async def test_a_large_copy_from_another_host_is_bit_exact(host: str) -> None:
-    other = "t2"
-    if other not in airay.running_hosts():
-        actor = airay.start_host(other)
-        await anyio.to_thread.run_sync(ray.get, actor.ping.remote())
+    other = await _second_host()
     x = np.random.default_rng(13).integers(0, 256, (2 << 20) + 7, dtype=np.uint8)
     src = await filled_buffer(f"RAY:{host}/CPU", x)
     dst = await Buffer(f"RAY:{other}/CPU", x.size, dtypes.uint8).allocate()
