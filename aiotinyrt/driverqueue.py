@@ -34,6 +34,14 @@ in one pass, and each command's outcome is decided in order, as one at a time wo
 command in the middle of a batch fails its own Signal, those before it stay successful, and those
 after it fail with the device's sticky error.
 
+Commands a driver launches itself. A driver may also submit commands without :meth:`submit`
+(the CL repeat launch does, in C: aiotinyrt/native/clfast.c): holding ``_submit_lock``, with
+nothing held back, it takes the next value, enqueues, and keeps the command's event and Signal
+itself; the queue keeps no record of it. It reports such commands in runs of consecutive values
+(:meth:`DriverQueue._report_run`), or one that failed like any other
+(:meth:`DriverQueue._report_failed`), and finds a pending one's event for other queues' wait
+lists (``find``).
+
 Locks: ``_submit_lock`` orders value assignment and hand-over (so the driver sees commands in
 value order); completions take only ``_done_lock``, never while calling out, and one thread at a
 time advances the timeline with no lock held, so callbacks that submit to other queues cannot
@@ -122,8 +130,9 @@ class Driver(Protocol):
         its events in the wait list: the held commands go to the device then, as they do when
         ``wake_at`` is set.
 
-        A driver may offer ``poll(event)``: a brief wait, in the thread about to await a command,
-        for that command's event, reporting it (and what completed before it) from that thread
+        A driver may offer ``poll(value, event)``: a brief wait, in the thread about to await a
+        command, for that command's event (None: a command the driver launched itself, whose
+        event it finds; or one it no longer has), reporting it (and what completed before it) from that thread
         if it completes meanwhile; the queue's timeline then calls it before a task registers
         a waiter (``Timeline.poll``). It must return promptly whatever happens: the thread is
         an event loop's."""
@@ -159,13 +168,16 @@ class DriverQueue:
         self._thread: threading.Thread | None = None  # (no worker: the driver runs commands)
         self._stopping = False
         self._closed_error: DeviceError | None = None
-        self._submit_lock = threading.RLock()
+        self._submit_lock = native.rlock()  # (the CL repeat launch takes it from C: lock.c)
         self._done_lock = threading.Lock()
         self._next = 1
         self._commands: dict[int, Signal] = {}  # submitted, not completed yet
         self._events: dict[int, object] = {}  # the driver's event of each command it has
         self._held: deque[Signal] = deque()  # waiting for a dependency elsewhere, in value order
         self._results: dict[int, tuple[float, BaseException | None]] = {}
+        #: completed runs of commands the driver launched itself (see :meth:`_report_run`),
+        #: by their first value
+        self._runs: dict[int, list[Signal]] = {}
         self._advancing = False
         self._again = False
         self._unrun: set[int] = set()  # results of commands never handed to the driver
@@ -173,8 +185,10 @@ class DriverQueue:
         self._enqueuing = 0  # the thread inside driver.enqueue (its ident), 0: none
         self._inline = False  # a hand-over completed a command: the submitter advances
         _BY_TIMELINE[id(self.timeline)] = self
+        #: the driver's ``find``, if it offers one (see :meth:`_event`)
+        self._find: Callable[[int], object] | None = getattr(driver, "find", None)
         #: the driver's ``poll``, if it offers one (see ``Driver.poll``)
-        self._driver_poll: Callable[[object], None] | None = getattr(driver, "poll", None)
+        self._driver_poll: Callable[[int, object], None] | None = getattr(driver, "poll", None)
         if self._driver_poll is not None:
             self.timeline.poll = self._poll
 
@@ -246,20 +260,18 @@ class DriverQueue:
             pending: list[Signal] = []
             for dep in sig._deps:
                 timeline = dep.timeline
-                other = _BY_TIMELINE.get(id(timeline))
-                event = (
-                    other._events.get(dep.value)
-                    if other is not None and other.context is self.context
-                    else None
-                )
                 if timeline.completed >= dep.value:
                     error = dep.error()
                     if error is not None:
                         self._finish(sig, dependency_failed(device.name, timeline.label, dep.value, error))
                         return ()
-                elif timeline is self.timeline:
+                    continue
+                if timeline is self.timeline:
                     continue  # ordered by the driver's queue; its outcome is checked at completion
-                elif event is None:
+                other = _BY_TIMELINE.get(id(timeline))
+                same_context = other is not None and other.context is self.context
+                event = other._event(dep.value) if other is not None and same_context else None
+                if event is None:
                     pending.append(dep)
                 else:
                     found.append(event)
@@ -293,12 +305,20 @@ class DriverQueue:
             self._enqueuing = outer
         return ()
 
+    def _event(self, value: int) -> object:
+        """The driver's event of pending command ``value``, or None (not handed over, or
+        completed meanwhile): the one the hand-over kept, else the driver's ``find(value)`` for
+        the commands it launched itself (:meth:`_report_run`)."""
+        event = self._events.get(value)
+        if event is None and self._find is not None:
+            event = self._find(value)
+        return event
+
     def _poll(self, value: int) -> None:
         """The timeline's ``poll``: the driver's brief wait for command ``value`` in this
-        thread, when the driver has its event (see ``Driver.poll``)."""
-        event = self._events.get(value)  # (held here: the wait reads it)
-        if event is not None and self._driver_poll is not None:
-            self._driver_poll(event)
+        thread (see ``Driver.poll``), with its event if the hand-over kept one."""
+        if self._driver_poll is not None:
+            self._driver_poll(value, self._events.get(value))  # (held here: the wait reads it)
 
     def _flush(self) -> None:
         """Hand over held-back commands whose dependencies completed (any thread)."""
@@ -340,6 +360,51 @@ class DriverQueue:
         else:
             self._advance()
 
+    def _report_run(self, sigs: list[Signal]) -> None:
+        """The driver's report that commands it launched itself completed: ``sigs``, Signals
+        of this queue with consecutive values, that ran without error and without dependencies
+        (the CL repeat launch, clfast.c). Such a command has no record here but its Signal: the
+        driver submitted it under ``_submit_lock`` (value from ``_next``, ``timeline.submitted``),
+        keeps its event (``find``), and has stored its device time and dropped what the Signal
+        held for it. Any thread, as :meth:`_report`.
+
+        The common case, the run next in line and nothing else to complete, advances the
+        timeline here, without :meth:`_advance`'s pass over the tables (a round trip's report)."""
+        first, last, me = sigs[0].value, sigs[-1].value, threading.get_ident()
+        with self._done_lock:
+            direct = (
+                not self._advancing
+                and not self._results
+                and not self._runs
+                and self._enqueuing != me
+                and self.timeline.completed + 1 == first
+            )
+            if direct:
+                self._advancing = True
+            else:
+                self._runs[first] = sigs
+        if not direct:
+            if self._enqueuing == me:
+                self._inline = True
+            else:
+                self._advance()
+            return
+        try:
+            self._taken = last
+            self._complete_run(sigs)
+            self.timeline.advance(last)
+        finally:
+            with self._done_lock:
+                again, self._again, self._advancing = self._again, False, False
+        if again:  # (another thread reported meanwhile and left it to this one)
+            self._advance()
+
+    def _report_failed(self, sig: Signal, seconds: float, error: BaseException) -> None:
+        """The driver's report that a command it launched itself (see :meth:`_report_run`)
+        failed: from here on it is reported as the commands handed over are."""
+        self._commands[sig.value] = sig
+        self._report(((Completion(self, sig.value, 0.0), seconds, error),))
+
     def _advance(self) -> None:
         """Complete, in value order, every command whose result is in and whose dependencies
         completed. One thread at a time: a call while another thread advances makes that thread
@@ -370,29 +435,47 @@ class DriverQueue:
         that is in, in value order, under one lock, and advances the timeline once for them."""
         timeline, device = self.timeline, self.device
         debug = debug_level()
-        results, commands, events, unrun = self._results, self._commands, self._events, self._unrun
+        results, commands, events, unrun, runs = (
+            self._results,
+            self._commands,
+            self._events,
+            self._unrun,
+            self._runs,
+        )
         while True:
             taken: list[tuple[Signal, float, BaseException | None, bool]] = []
+            fast: list[Signal] = []  # (the runs taken, in value order among them)
             late: list[Signal] = []
+            last = 0
             with self._done_lock:
                 value = timeline.completed + 1
-                while value in results:
-                    sig = commands[value]
-                    # a dependency in the wait list counts once its own queue completed it: a
-                    # driver's callbacks may report a dependent before its dependency
-                    ran = value not in unrun
-                    if not ran:
-                        unrun.discard(value)
-                    elif sig._deps:
-                        late = [d for d in sig._deps if d.timeline is not timeline and _pending(d)]
-                        if late:
-                            break
-                    seconds, error = results.pop(value)
-                    del commands[value]
-                    self._taken = value  # (before the event goes: see _hand_over)
-                    events.pop(value, None)
-                    taken.append((sig, seconds, error, ran))
-                    value += 1
+                while True:
+                    if value in results:
+                        sig = commands[value]
+                        # a dependency in the wait list counts once its own queue completed it: a
+                        # driver's callbacks may report a dependent before its dependency
+                        ran = value not in unrun
+                        if not ran:
+                            unrun.discard(value)
+                        elif sig._deps:
+                            late = [d for d in sig._deps if d.timeline is not timeline and _pending(d)]
+                            if late:
+                                break
+                        seconds, error = results.pop(value)
+                        del commands[value]
+                        self._taken = value  # (before the event goes: see _hand_over)
+                        events.pop(value, None)
+                        taken.append((sig, seconds, error, ran))
+                        last = value
+                        value += 1
+                    elif value in runs:
+                        run = runs.pop(value)
+                        fast.extend(run)
+                        last = value = run[-1].value
+                        self._taken = value
+                        value += 1
+                    else:
+                        break
             for sig, seconds, error, ran in taken:
                 if ran:  # (a driver that skips a command after a failed wait reports its own
                     for dep in sig._deps:  # error for it: the dependency's failure is the cause)
@@ -417,16 +500,32 @@ class DriverQueue:
                         fmt_time(seconds),
                     )
                 sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
+            if fast:
+                self._complete_run(fast)
             if taken:
                 # (a repeat launch's Signal is untracked while pending, clfast.c: once it
                 # completed, its error or a frame holding it may lead back to it)
                 native.track([t[0] for t in taken])
-                timeline.advance(taken[-1][0].value)
+            if last:
+                timeline.advance(last)
             if late:
                 when_all_done(late, self._advance, after=True)
                 return True
-            if not taken:
+            if not last:
                 return False
+
+    def _complete_run(self, sigs: list[Signal]) -> None:
+        """The outcome of commands of :meth:`_report_run` (they ran; their device times are
+        stored): failed with the device's sticky error if it holds one by now."""
+        error, timeline, debug = self.device._error, self.timeline, debug_level()
+        if error is None and debug < 2:
+            return
+        for sig in sigs:
+            if error is not None:
+                sig._error = error
+                timeline._record_failure(sig.value, sig.value, error)
+            if debug >= 2:
+                _log.debug("%s@%d: launch %s", timeline.label, sig.value, fmt_time(sig._elapsed or 0.0))
 
     # ---- state ------------------------------------------------------------------------------------
     def queued(self) -> int:

@@ -196,19 +196,27 @@ async def test_a_failed_event_in_a_completed_batch_fails_its_signal_and_the_late
     cl, err = ocl.lib(), ffi.new("cl_int*")
     prog, out = await _inc_and_zero(dev)
     gate, failing = cl.clCreateUserEvent(dev.context, err), cl.clCreateUserEvent(dev.context, err)
-    sizes: list[int] = []
-    real = cl_queue.report
+    sizes: list[int] = []  # (the commands each take of the waiter held)
     queue = dev._compute_queue
+    real, report = cl_queue.CLQueue._report_taken, cl_queue.report
 
-    def spy(batch: list[tuple[Done, float, BaseException | None]]) -> None:
-        if batch[0][0].queue is queue:
+    def spy(driver: cl_queue.CLQueue, n: int, taken: Any) -> None:
+        if driver is queue.driver:
+            sizes.append(n)
+        real(driver, n, taken)
+
+    def spy_report(batch: list[tuple[Done, float, BaseException | None]]) -> None:  # (NATIVE_QUEUE=0)
+        if batch[0][0].queue is queue:  # type: ignore[attr-defined]
             sizes.append(len(batch))
-        real(batch)
+        report(batch)
 
-    monkeypatch.setattr(cl_queue, "report", spy)
+    if queue.driver._ring is None:  # type: ignore[attr-defined]
+        monkeypatch.setattr(cl_queue, "report", spy_report)
+    else:
+        monkeypatch.setattr(cl_queue.CLQueue, "_report_taken", spy)
     first = queue.submit(_user_event_command(gate), ())  # holds the waiter: the rest is one batch
     before, failed, after = prog(out), queue.submit(_user_event_command(failing), ()), prog(out)
-    kernels = ffi.new("cl_event[2]", [cl_queue._event(queue._events[s.value]) for s in (before, after)])
+    kernels = ffi.new("cl_event[2]", [queue._event(s.value) for s in (before, after)])
     assert cl.clWaitForEvents(2, kernels) == 0  # (they need not wait for the user events)
     cl.clSetUserEventStatus(failing, -5)
     cl.clSetUserEventStatus(gate, ocl.COMPLETE)
@@ -366,17 +374,18 @@ def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_h
     ring = native.ffi.gc(lib.clq_new(*entry), lib.clq_free)
     event = cl.clCreateUserEvent(Device["CL"].context, err)  # type: ignore[attr-defined]
     assert lib.clq_push(ring, event, 7, 0) == 0
-    status, seconds, tags = (
+    status, seconds, tags, objs = (
         native.ffi.new("int32_t[4]"),
         native.ffi.new("double[4]"),
         native.ffi.new("int64_t[4]"),
+        native.ffi.new("void *[4]"),
     )
-    assert lib.clq_wait(ring, 4, status, seconds, tags) == 0  # (still queued: nothing reported)
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 0  # (still queued: nothing reported)
     cl.clSetUserEventStatus(event, ocl.COMPLETE)
-    assert lib.clq_wait(ring, 4, status, seconds, tags) == 1
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 1
     assert (status[0], tags[0]) == (0, 7)
     lib.clq_close(ring)
-    assert lib.clq_wait(ring, 4, status, seconds, tags) == -1
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1
     cl.clReleaseEvent(event)
 
 

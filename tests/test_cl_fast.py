@@ -1,5 +1,6 @@
-"""The CL repeat launch made in C (aiotinyrt/native/clfast.c): which launches take it, that they
-land in the same DriverQueue state a Python launch leaves, and that it steps aside whenever the
+"""The CL repeat launch made in C (aiotinyrt/native/clfast.c): which launches take it, that
+their signals and access records are a Python launch's while the DriverQueue keeps no record of
+them, how their completion and failure are reported, and that it steps aside whenever the
 Python path would do anything but enqueue (arguments to set, commands held back, a sticky error,
 a completion ring that refuses the event)."""
 
@@ -50,34 +51,82 @@ class _PythonCalls:
         monkeypatch.setattr(Program, "_call", counted)
 
 
-async def test_repeat_launches_are_made_in_c_and_leave_what_a_python_launch_leaves(
+async def test_repeat_launches_are_made_in_c_and_leave_no_record_but_their_signal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Only the first launch enters Python; the others' signals, access records and events are
-    those of a Python launch: a read on the copy queue, submitted while they are still queued
-    (behind a Python command), has the last one's event in its wait list."""
+    """Only the first launch enters Python; the others' signals and access records are those
+    of a Python launch, while the DriverQueue keeps no record of them (the ring holds their
+    events and signals): a read on the copy queue, submitted while they are still queued
+    (behind a Python command), finds the last one's event for its wait list."""
     dev = _c_device()
     prog = await dev.program("inc", INC)
     out = await int_buffer(dev.name)
     queue, copy = dev._compute_queue, dev.queues["copy"]
     go = threading.Event()
     ahead = queue.submit(lambda: go.wait(60), ())  # (the queue's later commands wait for it)
-    calls = _PythonCalls(monkeypatch)
-    sigs = [prog(out) for _ in range(200)]
-    assert calls.n == 1 and len(prog._fast or ()) == 7
-    assert not any(gc.is_tracked(s) for s in sigs[1:])  # (pending: the collector skips them)
-    last = sigs[-1]
-    assert out._accesses == [(0, 4, last, True)] and last.timeline is queue.timeline
-    assert [s.value for s in sigs] == list(range(ahead.value + 1, ahead.value + 201))
-    assert type(queue._events[last.value]).__name__ == "ClEvent"
-    host = np.zeros(1, np.int32)
-    read = out._enqueue_copy(memoryview(host), into=False)
-    assert not copy._held  # (handed over with the launch's event in its wait list)
-    go.set()
+    try:
+        calls = _PythonCalls(monkeypatch)
+        sigs = [prog(out) for _ in range(200)]
+        assert calls.n == 1 and len(prog._fast or ()) == 11
+        assert not any(gc.is_tracked(s) for s in sigs[1:])  # (pending: the collector skips them)
+        last = sigs[-1]
+        assert out._accesses == [(0, 4, last, True)] and last.timeline is queue.timeline
+        assert [s.value for s in sigs] == list(range(ahead.value + 1, ahead.value + 201))
+        assert last.value not in queue._events and last.value not in queue._commands
+        assert queue._event(last.value) is not None  # (found in the ring)
+        host = np.zeros(1, np.int32)
+        read = out._enqueue_copy(memoryview(host), into=False)
+        assert not copy._held  # (handed over with the launch's event in its wait list)
+    finally:
+        go.set()
     await read
     assert host[0] == 200 and all(s.done() and not s.failed() for s in sigs) and await last >= 0.0
-    assert queue._commands == {} and queue._events == {}
+    assert queue._commands == {} and queue._events == {} and queue._runs == {}
+    assert queue._event(last.value) is None  # (reported: the ring let it go)
     assert all(gc.is_tracked(s) for s in sigs)  # (completed: a frame or an error may hold them)
+    assert all(s._keep is None and s._args is None for s in sigs)  # (what they held is dropped)
+    await out.free()
+
+
+async def test_a_repeat_launch_whose_event_failed_fails_alone_and_the_later_ones_with_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A repeat launch whose event reports a failed execution status fails with it (the
+    device's sticky error), the launches before it in the same batch succeed, and those after
+    it fail with the sticky error. (The status is rewritten as the batch is reported.)"""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)
+    queue, real = dev._compute_queue, CLQueue._report_taken
+    go = threading.Event()
+    ahead = queue.submit(lambda: go.wait(60), ())  # (the launches below complete in one batch)
+    try:
+        sigs = [prog(out) for _ in range(5)]
+        doomed = sigs[2].value
+
+        def failing(driver: CLQueue, n: int, taken: Any) -> None:
+            status, _, tags, _ = taken.arrays
+            for i in range(n):
+                if tags[i] == -doomed:
+                    status[i] = -5  # CL_OUT_OF_RESOURCES
+            real(driver, n, taken)
+
+        monkeypatch.setattr(CLQueue, "_report_taken", failing)
+    finally:
+        go.set()
+    await ahead
+    with pytest.raises(DeviceError, match="CL_OUT_OF_RESOURCES"):
+        await sigs[2].wait(timeout=30)
+    with pytest.raises(DeviceError, match="CL_OUT_OF_RESOURCES"):
+        await sigs[-1].wait(timeout=30)
+    assert sigs[0].error() is None and sigs[1].error() is None
+    assert sigs[2].error() is dev._error and all(s.error() is dev._error for s in sigs[3:])
+    assert queue._commands == {} and queue._runs == {}
+    monkeypatch.setattr(CLQueue, "_report_taken", real)
+    await dev.reset()
+    await prog(out)
+    assert (await out.numpy())[0] == 7
     await out.free()
 
 

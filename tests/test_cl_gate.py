@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from aiotinyrt.backends import opencl as ocl
-from aiotinyrt.backends.cl_queue import CLQueue, _event
+from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
 from aiotinyrt.driverqueue import DriverQueue
 from tests.helpers import cl_ring, int_buffer
@@ -98,7 +98,7 @@ async def test_a_batch_nobody_waits_for_goes_to_the_device_at_its_deadline(
     await dev.synchronize()
     sig = prog(out)
     assert driver.gated()
-    event = _event(queue._events[sig.value])
+    event = queue._event(sig.value)
     events = ffi.new("cl_event[1]", [event])
     ocl.lib().clRetainEvent(event)
     try:

@@ -56,19 +56,34 @@ async def _inc_held_a_minute(dev: CLDevice, driver: CLQueue) -> tuple[Any, Any]:
 
 
 class _Reports:
-    """The threads that report each CL batch (``cl_queue.report``, which both takers call)."""
+    """The threads that report each CL batch and the values reported, in order: commands
+    handed over (``cl_queue.report``) and repeat launches made in C (``_report_run`` and
+    ``_report_failed`` of the DriverQueue), which both takers call."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.threads: list[int] = []
         self.values: list[int] = []
-        real = cl_queue.report
+        report, run, failed = cl_queue.report, DriverQueue._report_run, DriverQueue._report_failed
 
         def spy(batch: list[tuple[Done, float, BaseException | None]]) -> None:
-            self.threads.append(threading.get_ident())
-            self.values.extend(done.value for done, _, _ in batch)
-            real(batch)
+            self._saw(done.value for done, _, _ in batch)  # type: ignore[attr-defined]
+            report(batch)
+
+        def spy_run(queue: DriverQueue, sigs: list[Any]) -> None:
+            self._saw(s.value for s in sigs)
+            run(queue, sigs)
+
+        def spy_failed(queue: DriverQueue, sig: Any, seconds: float, error: BaseException) -> None:
+            self._saw([sig.value])
+            failed(queue, sig, seconds, error)
 
         monkeypatch.setattr(cl_queue, "report", spy)
+        monkeypatch.setattr(DriverQueue, "_report_run", spy_run)
+        monkeypatch.setattr(DriverQueue, "_report_failed", spy_failed)
+
+    def _saw(self, values: Any) -> None:
+        self.threads.append(threading.get_ident())
+        self.values.extend(values)
 
 
 async def test_an_await_of_a_launch_on_an_idle_queue_is_reported_by_the_awaiting_thread(
@@ -109,8 +124,8 @@ async def test_a_poll_returns_after_its_budget_while_its_command_waits_for_a_pyt
     polls: list[bool] = []
     real_poll = driver.poll
 
-    def poll(event: Any) -> None:
-        real_poll(event)
+    def poll(value: int, event: Any) -> None:
+        real_poll(value, event)
         polls.append(go.is_set())  # (returned while the Python command still held the queue)
 
     monkeypatch.setattr(queue, "_driver_poll", poll)

@@ -94,3 +94,20 @@ def test_debug_levels_reach_the_applications_handlers(
     assert all(r["name"].startswith("aiotinyrt.") and r["level"] == "DEBUG" for r in records), records
     assert any(r["name"] == logger and fragment in r["message"] for r in records), records
     assert result.stderr == ""  # routed by the application's handler, no handler of our own
+
+
+def test_the_environment_is_read_at_each_call_however_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helpers.getenv reads os.environ's own encoded dict: a variable set, changed and removed
+    through os.environ (or monkeypatch) is seen at once, as os.environ.get sees it."""
+    from aiotinyrt.helpers import getenv, getenv_str
+
+    monkeypatch.delenv("AIOTINYRT_TEST_VAR", raising=False)
+    assert getenv("AIOTINYRT_TEST_VAR", 3) == 3 and getenv_str("AIOTINYRT_TEST_VAR", "x") == "x"
+    monkeypatch.setenv("AIOTINYRT_TEST_VAR", "7")
+    assert getenv("AIOTINYRT_TEST_VAR") == 7
+    os.environ["AIOTINYRT_TEST_VAR"] = "caf\\u00e9"
+    assert getenv_str("AIOTINYRT_TEST_VAR") == "caf\\u00e9" == os.environ.get("AIOTINYRT_TEST_VAR")
+    os.environ.update({"AIOTINYRT_TEST_VAR": "9"})
+    assert getenv("AIOTINYRT_TEST_VAR") == 9
+    del os.environ["AIOTINYRT_TEST_VAR"]
+    assert getenv("AIOTINYRT_TEST_VAR", 5) == 5

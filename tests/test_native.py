@@ -508,3 +508,46 @@ async def test_prepare_and_open_device_are_checkpoints() -> None:
             pass
 
     await assert_cancelled_at_entry(open_and_use)
+
+
+def _native_lock() -> Any:
+    lock = native.rlock()
+    if isinstance(lock, type(threading.RLock())):
+        pytest.skip("NATIVE_QUEUE=0: no extension module, so threading.RLock")
+    return lock
+
+
+def test_the_native_lock_is_reentrant_and_owned_by_one_thread() -> None:
+    """lock.c's Lock behaves as threading.RLock: reentrant for its holder, refused (or waited
+    for) by another thread, released only by its holder, as many times as it was taken."""
+    lock = _native_lock()
+    with lock:
+        assert lock.acquire() and lock._is_owned()
+        got: list[bool] = []
+        other = threading.Thread(target=lambda: got.extend([lock.acquire(False), lock.acquire(timeout=0.01)]))
+        other.start()
+        other.join()
+        assert got == [False, False]
+        lock.release()
+        assert lock._is_owned()
+    assert not lock._is_owned()
+    with pytest.raises(RuntimeError, match="un-acquired"):
+        lock.release()
+    with pytest.raises(ValueError, match="timeout"):
+        lock.acquire(False, 1.0)
+
+
+def test_a_blocking_acquire_of_the_native_lock_lets_the_gil_go_until_it_is_released() -> None:
+    """A thread blocked on the Lock does not hold the GIL: the holder runs Python meanwhile,
+    then releases it, and the waiter gets it."""
+    lock = _native_lock()
+    events: list[str] = []
+    lock.acquire()
+    waiter = threading.Thread(target=lambda: (lock.acquire(), events.append("got"), lock.release()))
+    waiter.start()
+    waiter.join(0.05)  # (returns: this thread runs Python while the waiter blocks)
+    assert waiter.is_alive() and events == []
+    events.append("held")
+    lock.release()
+    waiter.join(30)
+    assert events == ["held", "got"] and not waiter.is_alive()

@@ -83,13 +83,7 @@ _ENTRY_POINTS = (
 _GATE_ENTRY_POINTS = ("clCreateUserEvent", "clSetUserEventStatus")
 
 
-def _event(event: Any) -> Any:
-    """A command's event as a ``cl_event``: one of ours, or a launch's made in C (clfast.c's
-    ``ClEvent``, whose ``int()`` is its address)."""
-    return event if isinstance(event, ffi.CData) else ffi.cast("cl_event", int(event))
-
-
-_c_events: list[type] = []  # the extension module's ClEvent type, once it is ready
+_c_launch: list[bool] = []  # [whether the extension module's repeat launch is ready], once asked
 
 
 def cdata_address(cdata: Any) -> int:
@@ -99,16 +93,14 @@ def cdata_address(cdata: Any) -> int:
 
 def c_launch_ready() -> bool:
     """Whether the extension module's repeat launch of CL programs (clfast.c) is there; it is
-    configured once with the loader's entry points. The launches it makes hand their events to
-    the queue's completion ring themselves."""
-    if not _c_events:
+    configured once with the loader's entry points. The launches it makes hand their events
+    and Signals to the queue's completion ring themselves (see :meth:`CLQueue._report_taken`)."""
+    if not _c_launch:
         cl = ocl.lib()
         names = ("clEnqueueNDRangeKernel", "clReleaseEvent", "clWaitForEvents")
-        event_type = native.cl_launcher(Completion, *(cdata_address(ffi.addressof(cl, n)) for n in names))
-        if event_type is None:
-            return False
-        _c_events.append(event_type)
-    return True
+        entry = (cdata_address(ffi.addressof(cl, n)) for n in names)
+        _c_launch.append(native.cl_launcher(Completion, *entry))
+    return _c_launch[0]
 
 
 class _RingCounters:
@@ -135,6 +127,21 @@ class _RingCounters:
             self._lib.clq_set_wake(self._ring, value)
 
 
+class _Taken:
+    """The arrays one taker of a ring reads a batch into (statuses, times, tags, objects), their
+    addresses, and the extension module's ``cl_done`` (None without it)."""
+
+    __slots__ = ("addresses", "arrays", "done")
+
+    def __init__(self) -> None:
+        nffi = native.ffi
+        objs, tags = nffi.new("void *[256]"), nffi.new("int64_t[256]")
+        status, seconds = nffi.new("int32_t[256]"), nffi.new("double[256]")
+        self.arrays = (status, seconds, tags, objs)
+        self.addresses = tuple(int(nffi.cast("uintptr_t", a)) for a in (objs, tags, status, seconds))
+        self.done = native.cl_reporter() if c_launch_ready() else None
+
+
 class CLQueue:
     """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
 
@@ -153,8 +160,10 @@ class CLQueue:
         #: how long :meth:`poll` waits for a command (nanoseconds), and the arrays it reads into
         #: (one set: the loop threads that poll take turns on the ring's token)
         self._poll_ns = max(0, getenv("CL_POLL_US", 50)) * 1000
-        nffi = native.ffi
-        self._poll_out = (nffi.new("int32_t[256]"), nffi.new("double[256]"), nffi.new("int64_t[256]"))
+        self._poll_out = _Taken()
+        #: the DriverQueue this drives (set by the device once both exist: the repeat launches'
+        #: completions are reported to it directly)
+        self.owner: Any = None
         #: the timeline's counters (the ring learns of waiters through them)
         self.counters = None if self._ring is None else _RingCounters(self._native, self._ring)
         wait = self._wait if self._ring is None else self._wait_ring
@@ -198,25 +207,41 @@ class CLQueue:
 
     def _wait_ring(self) -> None:
         """The waiter thread on the native ring (:func:`_ring`): one C call per batch waits for
-        the oldest event and reads the completed prefix's statuses and times (GIL released);
-        the batch's commands are ``_items``' first ones, in the same order, matched by tag (an
-        item whose event never reached the ring, its command failed by the exception that
-        stopped the hand-over, is dropped)."""
-        ring, lib, nffi = self._ring, self._native, native.ffi
-        status, seconds, tags = nffi.new("int32_t[256]"), nffi.new("double[256]"), nffi.new("int64_t[256]")
-        while (n := lib.clq_wait(ring, 256, status, seconds, tags)) >= 0:
+        the oldest event and reads the completed prefix's statuses and times (GIL released),
+        and :meth:`_report_taken` reports them."""
+        ring, lib, taken = self._ring, self._native, _Taken()
+        while (n := lib.clq_wait(ring, 256, *taken.arrays)) >= 0:
             if n:
-                self._report_taken(n, status, seconds, tags)
+                self._report_taken(n, taken)
         self._items.clear()  # (commands whose events never reached the ring: already failed)
 
-    def _report_taken(self, n: int, status: Any, seconds: Any, tags: Any) -> None:
+    def _report_taken(self, n: int, taken: _Taken) -> None:
         """Report the ``n`` events a ``clq_wait`` or ``clq_poll`` call took (their statuses,
-        times and tags), running the Python commands among them, then give the ring's token
-        back (see clq.c, "Two takers")."""
-        items = self._items
+        times, tags and objects), running the Python commands among them, then give the ring's
+        token back (see clq.c, "Two takers").
+
+        A command handed over by the DriverQueue has a positive tag: it is ``_items``' first
+        one with that tag (an item whose event never reached the ring, its command failed by
+        the exception that stopped the hand-over, is dropped). A repeat launch made in C has
+        the tag ``-value`` and its Signal as object; ``cl_done`` (clfast.c) completes each run
+        of them in one call, reported with ``DriverQueue._report_run``."""
+        items, status, seconds, tags = self._items, *taken.arrays[:3]
         try:
             batch: list[tuple[Done, float, BaseException | None]] = []
-            for i in range(n):
+            i = 0
+            while i < n:
+                if tags[i] < 0:  # repeat launches (clfast.c)
+                    if batch:
+                        report(batch)
+                        batch = []
+                    assert taken.done is not None  # (only the extension module's launches)
+                    i, sigs, clean = taken.done(*taken.addresses, i, n)
+                    if clean:
+                        self.owner._report_run(sigs)
+                    else:
+                        failure = CLError("a command's event (execution status)", status[i - 1])
+                        self.owner._report_failed(sigs[0], seconds[i - 1], failure)
+                    continue
                 while items[0][0] != tags[i]:
                     items.popleft()
                 _, done, run = items.popleft()
@@ -230,32 +255,44 @@ class CLQueue:
                     batch = []
                 else:
                     batch.append((done, seconds[i], error))
+                i += 1
             if batch:
                 report(batch)
         finally:
             self._native.clq_reported(self._ring)
 
-    def poll(self, event: Any) -> None:
-        """Wait briefly in the calling thread (``CL_POLL_US``, GIL released) for ``event``, a
-        command's event of this queue that the caller keeps alive, and report it and the
-        completed commands before it from this thread if it completes meanwhile (clq.c, "Two
-        takers"); nothing without the native ring or when the waiter thread reports it.
+    def find(self, value: int) -> Any:
+        """The event of the repeat launch of value ``value`` while the ring holds it (a
+        reference of its own, released with the returned object), else None."""
+        if self._ring is None:
+            return None
+        address = self._native.clq_find(self._ring, -value)
+        if address == native.ffi.NULL:
+            return None
+        return ffi.gc(ffi.cast("cl_event", cdata_address(address)), ocl.lib().clReleaseEvent)
+
+    def poll(self, value: int, event: Any) -> None:
+        """Wait briefly in the calling thread (``CL_POLL_US``, GIL released) for command
+        ``value``: ``event``, a command's event of this queue that the caller keeps alive, or
+        with None the repeat launch of that value (the ring finds its event by the tag); and
+        report it and the completed commands before it from this thread if it completes
+        meanwhile (clq.c, "Two takers"); nothing without the native ring or when the waiter
+        thread reports it.
 
         What the poll took is reported even when an exception (a signal handler's, such as
         ``KeyboardInterrupt``) is raised as the call returns: it is read back from the ring."""
         if self._ring is None or self._poll_ns <= 0:
             return
-        ring, lib = self._ring, self._native
-        status, seconds, tags = self._poll_out
-        address = cdata_address(event) if isinstance(event, ffi.CData) else int(event)  # (ClEvent)
+        ring, lib, taken = self._ring, self._native, self._poll_out
+        address = 0 if event is None else cdata_address(event)
         n = -1
         try:
-            n = lib.clq_poll(ring, address, self._poll_ns, 256, status, seconds, tags)
+            n = lib.clq_poll(ring, address, -value, self._poll_ns, 256, *taken.arrays)
         finally:
             if n < 0:  # (a signal handler raised before the result was stored: read it back)
                 n = lib.clq_polled(ring)
             if n:
-                self._report_taken(n, status, seconds, tags)
+                self._report_taken(n, taken)
 
     def gate(self, microseconds: int) -> None:
         """Hold batches of commands nobody waits for at most ``microseconds`` (0: hand every
@@ -305,7 +342,7 @@ class CLQueue:
             address = int(native.ffi.cast("uintptr_t", gate))
             waits = [*waits, ffi.gc(ffi.cast("cl_event", address), cl.clReleaseEvent)]
         n = len(waits)
-        wl = ffi.new("cl_event[]", [_event(w) for w in waits]) if n else NULL
+        wl = ffi.new("cl_event[]", list(waits)) if n else NULL
         if getattr(fn, "cl_command", False):
             event = fn(self.queue, n, wl, *args)
         elif fn is _run_calls and all(getattr(f, "cl_command", False) for f, _ in args[0]):

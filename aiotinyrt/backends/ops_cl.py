@@ -12,12 +12,12 @@ kernels take tinygrad's CL convention: buffers, then ``int`` vals.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import anyio.to_thread
 
+from aiotinyrt import native
 from aiotinyrt.allocator import AllocatorOwner, BufferSpec, LRUAllocator
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_build import BuildPool
@@ -149,14 +149,16 @@ class CLProgram(Program):
     def __init__(self, device: CLDevice, name: str, lib: bytes, **kwargs: Any) -> None:
         super().__init__(device, name, lib, **kwargs)
         self._prog, self._kernel = ocl.load(device.context, device.device_ids, self.lib, name)
-        self._lock = threading.Lock()  # a cl_kernel's arguments are state: one launch at a time
+        #: a cl_kernel's arguments are state: one launch at a time (the repeat launch takes it in C)
+        self._lock = native.rlock()
         self._ev = ffi.new("cl_event*")  # (the launch's event, read under the lock)
         self._launch = self._enqueue  # (one bound method for every launch)
         self._vals: tuple[int, ...] = ()  # the arguments set last (_bufs None: none are)
         self._bufs: tuple[CLMemory, ...] | None = None
         self._sizes: dict[tuple[int, ...], Any] = {}
-        queue, driver = device._compute_queue, device._compute_queue.driver  # type: ignore[attr-defined]
-        if self.kernel is None and driver.counters is not None and c_launch_ready():
+        queue: Any = device._compute_queue
+        driver = queue.driver
+        if self.kernel is None and driver.counters is not None and queue.profile is None and c_launch_ready():
             # the repeat launch in C (native/clfast.c): see Program._use_c_call
             self._use_c_call(
                 (
@@ -167,6 +169,10 @@ class CLProgram(Program):
                     _address(driver.queue),
                     _address(self._kernel),
                     driver,
+                    queue._submit_lock,
+                    self._lock,
+                    driver.counters,
+                    device,
                 )
             )
 
@@ -244,9 +250,9 @@ class CLDevice(Compiled):
         super().__init__(name, CLAllocator(self), CLCompiler(self), CLProgram, OpenCLRenderer())
 
     def _make_queue(self, name: str) -> Queue:
-        return DriverQueue(
-            self, name, CLQueue(f"{self.name}/{name}", self.context, self.device_id), context=self.context
-        )
+        driver = CLQueue(f"{self.name}/{name}", self.context, self.device_id)
+        queue = driver.owner = DriverQueue(self, name, driver, context=self.context)
+        return queue
 
     def _on_close(self) -> None:
         for q in self.queues.values():

@@ -75,7 +75,7 @@ _DIR = Path(__file__).parent
 #: The files of the library: the ring and run loop, a CL queue's completion ring (clq.c, used by
 #: aiotinyrt/backends/cl_queue.py), and the extension module's two files.
 _RING_SOURCES = ("hostq.c", "clq.c")
-_PY_SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c", "clfast.c")
+_PY_SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
 _HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h")
 #: The C flags of every build (setup.py's and the first-use one).
 CFLAGS = ("-O2", "-pthread", "-Wall", "-Wextra", "-Werror")
@@ -339,17 +339,35 @@ def replayer() -> Callable[[tuple[Any, ...]], Any] | None:
     return None if module is None else module.replay
 
 
-def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) -> type | None:
+def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) -> bool:
     """Ready the CL repeat launch of the extension module (clfast.c) with the DriverQueue's
     ``Completion`` class and the OpenCL entry points ``clEnqueueNDRangeKernel``,
-    ``clReleaseEvent`` and ``clWaitForEvents`` (addresses); returns the type of the events it
-    hands the queue, or None without the extension module."""
+    ``clReleaseEvent`` and ``clWaitForEvents`` (addresses); False without the extension
+    module."""
     module = _module()
     if module is None:
-        return None
+        return False
     with _lock:
-        event_type: type = module.cl_configure(completion_type, enqueue, release, wait)
-    return event_type
+        module.cl_configure(completion_type, enqueue, release, wait)
+    return True
+
+
+def cl_reporter() -> Callable[..., tuple[int, list[Any], bool]]:
+    """The extension module's ``cl_done(objs, tags, status, seconds, i, n)`` (clfast.c): the
+    completed repeat launches among a batch a CL queue's ring returned. Call only once
+    :func:`cl_launcher` returned True."""
+    module = _module()
+    assert module is not None
+    return module.cl_done  # type: ignore[no-any-return]
+
+
+def rlock() -> Any:
+    """A reentrant lock, as ``threading.RLock``: the extension module's ``Lock`` (lock.c), which
+    the CL repeat launch takes from C without calling Python, else ``threading.RLock``."""
+    built = _load()
+    if built is None or built[1] is None:
+        return threading.RLock()
+    return built[1].Lock()
 
 
 _track: list[Callable[[list[Any]], None]] = []  # [the extension module's track] once it is there

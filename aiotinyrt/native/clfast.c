@@ -1,20 +1,27 @@
-/* The repeat launch of a CL program (aiotinyrt/backends/ops_cl.py), in C.
+/* The repeat launch of a CL program (aiotinyrt/backends/ops_cl.py) and the report of those
+   launches' completion, in C.
 
    A launch of a CL program with the buffers of a launch remembered by Program._remember, each
    holding the same memory and last touched by the program's queue only, while the kernel's
    arguments are still set to them, needs no hazard, no wait list and no clSetKernelArg: it is
-   one clEnqueueNDRangeKernel (waiting for the ring's gate when it opens a batch), the event
-   handed to the queue's completion ring (clq.c), and the DriverQueue's record of one command.
-   cl_launch_impl() does exactly what DriverQueue.submit, CLQueue.enqueue and
-   CLProgram._enqueue do for such a launch, on the same Python state, with the GIL held
-   throughout (the Python path costs ~12 us per launch, and each of its cffi calls
-   lets go of the GIL the queue's waiter thread is asking for).
+   one clEnqueueNDRangeKernel (waiting for the ring's gate when it opens a batch), its event
+   and its Signal handed to the queue's completion ring (clq.c) under the tag -value, and the
+   Signal's access records. Nothing else is made per launch: the DriverQueue keeps no record of
+   such a command (no Completion, no entry in its tables, no event object; DriverQueue._event
+   finds a pending one's event in the ring), and the GIL is held throughout. cl_launch_impl()
+   does that; Python's path (DriverQueue.submit, CLQueue.enqueue, CLProgram._enqueue) costs
+   ~12 us per launch, this one about PoCL's enqueue and a few hundred nanoseconds.
 
    It declines (returns None, having changed nothing: Python launches it) whenever those would
    do anything else: the queue stopping or holding commands back, the device holding its sticky
-   error, tracing on, a hand-over or an argument change under way (their locks are taken without
+   error, a hand-over or an argument change under way (their locks, lock.c, are taken without
    waiting), the kernel's arguments set to other buffers or vals, or an enqueue that failed
-   (Python's then meets the same error and reports it). */
+   (Python's then meets the same error and reports it).
+
+   cl_done() is the other half: the queue's waiter (or a poll) took a batch from the ring, and
+   for a run of such launches that completed, with consecutive values, it stores each one's
+   device time in its Signal, drops what the Signal held for the command and hands the Signals
+   to Python in one list (CLQueue._report_taken: DriverQueue._report_run). */
 #include "pyext.h"
 
 #include "clq.h"
@@ -28,42 +35,15 @@ typedef cl_int (*wait_fn)(uint32_t, void *const *);
 static enqueue_fn cl_enqueue;
 static release_fn cl_release;
 static wait_fn cl_wait;
-static PyTypeObject *completion_type;
-static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_c_queue, off_c_value, off_c_start;
-static PyObject *float_zero, *empty_tuple, *one;
-static PyObject *s_stopping, *s_held, *s_profile, *s_device, *s_error, *s_submit_lock, *s_enqueuing, *s_next,
-    *s_c, *s_submitted, *s_commands, *s_events, *s_taken, *s_lock, *s_bufs, *s_vals, *s_tag, *s_items,
-    *s_acquire, *s_release, *s_append, *s_name, *s_closed;
-
-/* A cl_event reference of a launch made here: the DriverQueue keeps it as the command's event
-   (other queues' wait lists read int() of it) and releasing this object releases the event. */
-typedef struct {
-    PyObject_HEAD void *event;
-} ClEvent;
-
-static void clevent_dealloc(PyObject *self) {
-    void *event = ((ClEvent *)self)->event;
-    if (event) cl_release(event);
-    Py_TYPE(self)->tp_free(self);
-}
-
-static PyObject *clevent_int(PyObject *self) { return PyLong_FromVoidPtr(((ClEvent *)self)->event); }
-
-static PyNumberMethods clevent_number = {.nb_int = clevent_int};
-
-static PyTypeObject ClEventType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "_hostq.ClEvent",
-    .tp_basicsize = sizeof(ClEvent),
-    .tp_dealloc = clevent_dealloc,
-    .tp_as_number = &clevent_number,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A launch's cl_event, released with this object; int() is its address.",
-};
+static PyObject *completion_type;
+static Py_ssize_t off_fn, off_args, off_deps, off_keep;
+static PyObject *float_zero, *empty_tuple;
+static PyObject *s_stopping, *s_held, *s_error, *s_next, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name,
+    *s_closed;
 
 /* cl_configure(Completion, enqueue, release, wait) after configure(): the DriverQueue's
    Completion class and the ICD loader's clEnqueueNDRangeKernel, clReleaseEvent and
-   clWaitForEvents (addresses). Returns the ClEvent type. */
+   clWaitForEvents (addresses). */
 PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
     if (n != 4 || !PyType_Check(args[0]) || !sig_type) {
@@ -77,53 +57,25 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         PyErr_SetString(PyExc_ValueError, "cl_configure: NULL entry point");
         return NULL;
     }
-    PyTypeObject *ct = (PyTypeObject *)args[0];
-    if ((off_c_queue = slot_offset(ct, "queue")) < 0 || (off_c_value = slot_offset(ct, "value")) < 0 ||
-        (off_c_start = slot_offset(ct, "start")) < 0 || (off_fn = slot_offset(sig_type, "_fn")) < 0 ||
-        (off_args = slot_offset(sig_type, "_args")) < 0 || (off_deps = slot_offset(sig_type, "_deps")) < 0 ||
-        (off_keep = slot_offset(sig_type, "_keep")) < 0)
+    if ((off_fn = slot_offset(sig_type, "_fn")) < 0 || (off_args = slot_offset(sig_type, "_args")) < 0 ||
+        (off_deps = slot_offset(sig_type, "_deps")) < 0 || (off_keep = slot_offset(sig_type, "_keep")) < 0)
         return NULL;
-    if (!one) { /* (the last of these made: a failure part way is tried again) */
-        if (PyType_Ready(&ClEventType) < 0) return NULL;
-        PyObject **names[] = {&s_stopping, &s_held,  &s_profile, &s_device,    &s_error,  &s_submit_lock,
-                              &s_enqueuing, &s_next, &s_c,       &s_submitted, &s_commands, &s_events,
-                              &s_taken,    &s_lock,  &s_bufs,    &s_vals,      &s_tag,    &s_items,
-                              &s_acquire,  &s_release, &s_append, &s_name, &s_closed};
-        const char *text[] = {"_stopping", "_held",  "profile", "device",    "_error",  "_submit_lock",
-                              "_enqueuing", "_next", "_c",      "submitted", "_commands", "_events",
-                              "_taken",    "_lock",  "_bufs",   "_vals",     "_tag",    "_items",
-                              "acquire",   "release", "append", "name", "_closed"};
+    if (!empty_tuple) { /* (the last of these made: a failure part way is tried again) */
+        PyObject **names[] = {&s_stopping, &s_held, &s_error, &s_next, &s_submitted,
+                              &s_commands, &s_bufs, &s_vals,  &s_name, &s_closed};
+        const char *text[] = {"_stopping", "_held", "_error", "_next", "submitted",
+                              "_commands", "_bufs", "_vals",  "name",  "_closed"};
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
             if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i]))) return NULL;
-        if ((!float_zero && !(float_zero = PyFloat_FromDouble(0.0))) ||
-            (!empty_tuple && !(empty_tuple = PyTuple_New(0))) || !(one = PyLong_FromLong(1)))
+        if ((!float_zero && !(float_zero = PyFloat_FromDouble(0.0))) || !(empty_tuple = PyTuple_New(0)))
             return NULL;
     }
-    Py_INCREF(ct);
-    Py_XSETREF(completion_type, ct);
+    Py_INCREF(args[0]);
+    Py_XSETREF(completion_type, args[0]);
     cl_enqueue = (enqueue_fn)enqueue;
     cl_release = (release_fn)release;
     cl_wait = (wait_fn)wait;
-    Py_INCREF(&ClEventType);
-    return (PyObject *)&ClEventType;
-}
-
-/* 1: `lock` taken without waiting; 0: someone holds it; -1: error. */
-static int try_acquire(PyObject *lock) {
-    PyObject *got = PyObject_CallMethodOneArg(lock, s_acquire, Py_False);
-    if (!got) return -1;
-    int out = got == Py_True;
-    Py_DECREF(got);
-    return out;
-}
-
-static void release_lock(PyObject *lock) {
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb);
-    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
-    if (r) Py_DECREF(r);
-    else PyErr_WriteUnraisable(lock);
-    PyErr_Restore(type, exc, tb);
+    Py_RETURN_NONE;
 }
 
 /* 1 if `obj.name` is `want` (0 if not, -1 on error). */
@@ -135,29 +87,18 @@ static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
     return out;
 }
 
-/* 1 if DriverQueue `dq` would hand a command to its driver at once and untraced: not stopping,
-   holding nothing back, no hand-over under way on this thread, its device open and without a
-   sticky error, no trace; 0 if not; -1 on error. */
-static int queue_ready(PyObject *dq) {
+/* 1 if DriverQueue `dq` of `device` would hand a command to its driver at once: not stopping,
+   holding nothing back, its device open and without a sticky error; 0 if not; -1 on error. */
+static int queue_ready(PyObject *dq, PyObject *device) {
     int ok = attr_is(dq, s_stopping, Py_False);
-    if (ok == 1) ok = attr_is(dq, s_profile, Py_None);
     if (ok == 1) {
         PyObject *held = PyObject_GetAttr(dq, s_held);
         Py_ssize_t len = held ? PyObject_Length(held) : -1;
         Py_XDECREF(held);
         ok = len < 0 ? -1 : len == 0;
     }
-    if (ok == 1) {
-        PyObject *inside = PyObject_GetAttr(dq, s_enqueuing);
-        ok = inside ? PyObject_RichCompareBool(inside, zero, Py_EQ) : -1;
-        Py_XDECREF(inside);
-    }
-    if (ok == 1) {
-        PyObject *device = PyObject_GetAttr(dq, s_device);
-        ok = device ? attr_is(device, s_error, Py_None) : -1;
-        if (ok == 1) ok = attr_is(device, s_closed, Py_False);
-        Py_XDECREF(device);
-    }
+    if (ok == 1) ok = attr_is(device, s_error, Py_None);
+    if (ok == 1) ok = attr_is(device, s_closed, Py_False);
     return ok;
 }
 
@@ -179,16 +120,40 @@ static int arguments_set(PyObject *prog, PyObject *args) {
     return ok;
 }
 
+/* The command of `sig` (value `value` of DriverQueue `dq`) is enqueued but its event never
+   reached the ring: it fails with MemoryError, reported as Python's path reports a command
+   (DriverQueue._commands, a Completion). Errors are written as unraisable. */
+static void fail_refused(PyObject *dq, PyObject *driver, PyObject *sig, PyObject *value) {
+    PyObject *commands = PyObject_GetAttr(dq, s_commands);
+    int ok = commands && PyDict_SetItem(commands, value, sig) == 0;
+    Py_XDECREF(commands);
+    PyObject *done = ok ? PyObject_CallFunction(completion_type, "OOO", dq, value, float_zero) : NULL;
+    PyObject *name = done ? PyObject_GetAttr(driver, s_name) : NULL;
+    PyObject *text =
+        name ? PyUnicode_FromFormat("%S: no memory for the completion ring (or the queue is closed)", name) : NULL;
+    PyObject *exc = text ? PyObject_CallOneArg(PyExc_MemoryError, text) : NULL;
+    PyObject *called = exc ? PyObject_CallFunction(done, "OO", float_zero, exc) : NULL;
+    if (!called) PyErr_WriteUnraisable(dq);
+    Py_XDECREF(called);
+    Py_XDECREF(exc);
+    Py_XDECREF(text);
+    Py_XDECREF(name);
+    Py_XDECREF(done);
+}
+
 /* The repeat launch: `fast` is CLProgram._fast, (DriverQueue, Timeline, by_bufs, ring address,
-   cl_command_queue address, cl_kernel address, CLQueue); the entry of `key` in by_bufs is
-   (fn, args, None, handles, global size address, local size address or 0), fn(queue, 0, NULL,
-   *args) being the launch Python would make. Returns its Signal, None (Python launches it), or
-   NULL with an error (nothing enqueued, or: enqueued and tracked, its access records not all
+   cl_command_queue address, cl_kernel address, CLQueue, the queue's submit Lock, the program's
+   argument Lock, the timeline's counters, the device); the entry of `key` in by_bufs is (fn,
+   args, None, handles, global size address, local size address or 0), fn(queue, 0, NULL, *args)
+   being the launch Python would make. Returns its Signal, None (Python launches it), or NULL
+   with an error (nothing enqueued, or: enqueued and tracked, its access records not all
    updated, as launch_impl). */
 PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject *fast) {
-    if (!cl_enqueue || !PyTuple_CheckExact(fast) || PyTuple_GET_SIZE(fast) != 7) Py_RETURN_NONE;
+    if (!cl_enqueue || !PyTuple_CheckExact(fast) || PyTuple_GET_SIZE(fast) != CL_FAST_LEN) Py_RETURN_NONE;
     PyObject *dq = PyTuple_GET_ITEM(fast, 0), *timeline = PyTuple_GET_ITEM(fast, 1);
     PyObject *by_bufs = PyTuple_GET_ITEM(fast, 2), *driver = PyTuple_GET_ITEM(fast, 6);
+    PyObject *submit_lock = PyTuple_GET_ITEM(fast, 7), *prog_lock = PyTuple_GET_ITEM(fast, 8);
+    PyObject *counters = PyTuple_GET_ITEM(fast, 9), *device = PyTuple_GET_ITEM(fast, 10);
     clq_t *ring = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
     void *cq = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 4)), *kernel = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 5));
     if (PyErr_Occurred()) return NULL;
@@ -207,161 +172,157 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     if (PyErr_Occurred()) return NULL;
     if (!gsz) Py_RETURN_NONE;
 
-    /* Everything the command needs that a collection could run Python code for is made first,
-       before any lock is taken or any state is read. */
+    /* The Signal is made first, before any lock is taken or any state is read (a collection
+       could run Python code). It is never looked at by the cyclic collector while its command
+       is pending (thousands at once in a pipeline: each collection of the older generations
+       would walk them all); cl_done() or DriverQueue tracks it again once it completed. */
     Py_INCREF(entry); /* (it holds the global size) */
-    PyObject *submit_lock = NULL, *prog_lock = NULL, *value = NULL, *next = NULL, *tag = NULL;
-    PyObject *commands = NULL, *items = NULL, *events = NULL, *counters = NULL, *out = NULL;
-    PyObject *keep = PyTuple_Pack(2, bufs, prog);
+    PyObject *value = NULL, *next = NULL, *out = NULL;
     PyObject *sig = sig_type->tp_alloc(sig_type, 0);
-    PyObject *done = completion_type->tp_alloc(completion_type, 0);
-    PyObject *item = PyTuple_New(3);
-    ClEvent *event = PyObject_New(ClEvent, &ClEventType);
-    if (event) event->event = NULL;
-    int locked = 0, prog_locked = 0, inserted = 0, advanced = 0, r;
-    if (!keep || !sig || !done || !item || !event) goto fail;
-    /* None of them is ever looked at by the cyclic collector: they live while their command is
-       pending, thousands at once in a pipeline, and each collection of the older generations
-       would walk them all (that was a third of a launch). The only cycles through them (the
-       Signal's buffers recording it as their writer, the waiter's item and the queue) are
-       broken when the command completes (DriverQueue clears the Signal's command and tracks
-       it again: its error's traceback, or a frame holding it, may lead back to it; the waiter
-       drops the items it did not report when the queue closes). */
-    PyObject_GC_UnTrack(keep);
+    int locked = 0, prog_locked = 0, advanced = 0, r = 0;
+    if (!sig) goto fail;
     PyObject_GC_UnTrack(sig);
-    PyObject_GC_UnTrack(done);
-    PyObject_GC_UnTrack(item);
-    if (!(submit_lock = PyObject_GetAttr(dq, s_submit_lock)) || !(prog_lock = PyObject_GetAttr(prog, s_lock)))
-        goto fail;
-    if ((r = try_acquire(submit_lock)) <= 0) goto decline_or_fail;
+    /* (lock_try: 1 taken now; 0 held, by this thread too: a launch from inside a hand-over) */
+    if (lock_try(submit_lock) != 1) goto decline_or_fail;
     locked = 1;
-    if ((r = queue_ready(dq)) <= 0) goto decline_or_fail;
-    if ((r = try_acquire(prog_lock)) <= 0) goto decline_or_fail;
+    if ((r = queue_ready(dq, device)) <= 0) goto decline_or_fail;
+    if (lock_try(prog_lock) != 1) goto decline_or_fail;
     prog_locked = 1;
     if ((r = arguments_set(prog, args)) <= 0) goto decline_or_fail;
-    if (!(value = PyObject_GetAttr(dq, s_next)) || !(tag = PyObject_GetAttr(driver, s_tag)) ||
-        !(commands = PyObject_GetAttr(dq, s_commands)) || !(items = PyObject_GetAttr(driver, s_items)) ||
-        !(events = PyObject_GetAttr(dq, s_events)) || !(counters = PyObject_GetAttr(timeline, s_c)))
-        goto fail;
-    r = 0;
-    if (!PyLong_CheckExact(value) || !PyLong_CheckExact(tag) || !PyDict_CheckExact(commands) ||
-        !PyDict_CheckExact(events))
-        goto decline_or_fail;
-    if (!(next = PyNumber_Add(value, one))) goto fail;
-    PyObject *next_tag = PyNumber_Add(tag, one);
-    if (!next_tag) goto fail;
-    Py_SETREF(tag, next_tag);
-    int64_t tag_c = PyLong_AsLongLong(tag);
-    if (tag_c == -1 && PyErr_Occurred()) goto fail;
+    if (!(value = PyObject_GetAttr(dq, s_next))) goto fail;
+    if (!PyLong_CheckExact(value)) goto decline_or_fail;
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) goto fail;
+    if (v < 1 || v == LLONG_MAX) goto decline_or_fail;
+    if (!(next = PyLong_FromLongLong(v + 1))) goto fail;
 
-    /* The Signal and the Completion as DriverQueue.submit and _hand_over make them. */
+    /* The Signal as DriverQueue.submit makes it (its keep: the buffers). */
     const struct {
-        PyObject *obj;
         Py_ssize_t off;
         PyObject *value;
     } fields[] = {
-        {sig, off_timeline, timeline},   {sig, off_value, value},       {sig, off_error, Py_None},
-        {sig, off_elapsed, float_zero},  {sig, off_fn, PyTuple_GET_ITEM(entry, 0)},
-        {sig, off_args, args},           {sig, off_deps, empty_tuple},  {sig, off_keep, keep},
-        {done, off_c_queue, dq},         {done, off_c_value, value},    {done, off_c_start, float_zero},
+        {off_timeline, timeline},
+        {off_value, value},
+        {off_error, Py_None},
+        {off_elapsed, float_zero},
+        {off_fn, PyTuple_GET_ITEM(entry, 0)},
+        {off_args, args},
+        {off_deps, empty_tuple},
+        {off_keep, bufs},
     };
     for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
         Py_INCREF(fields[i].value);
-        set_slot(fields[i].obj, fields[i].off, fields[i].value);
+        set_slot(sig, fields[i].off, fields[i].value);
     }
-    Py_INCREF(tag);
-    PyTuple_SET_ITEM(item, 0, tag);
-    Py_INCREF(done);
-    PyTuple_SET_ITEM(item, 1, done);
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(item, 2, Py_None);
-
-    /* Before the enqueue, what can fail: the command's record, the waiter's item (an item whose
-       event never reaches the ring is dropped by the waiter), the counters. */
-    if (PyDict_SetItem(commands, value, sig) < 0) goto fail;
-    inserted = 1;
-    PyObject *appended = PyObject_CallMethodOneArg(items, s_append, item);
-    if (!appended) goto fail;
-    Py_DECREF(appended);
-    if (PyObject_SetAttr(driver, s_tag, tag) < 0 || PyObject_SetAttr(dq, s_next, next) < 0) goto fail;
+    if (PyObject_SetAttr(dq, s_next, next) < 0) goto fail;
     advanced = 1;
     void *ev = NULL, *gate = clq_gate(ring); /* (a batch's first command waits for its gate) */
     cl_int code = cl_enqueue(cq, kernel, 3, NULL, gsz, lsz, gate ? 1 : 0, gate ? &gate : NULL, &ev);
     if (gate) cl_release(gate);
     if (code != 0) goto decline_or_fail;
 
-    /* Enqueued: the command is the queue's from here on. */
-    event->event = ev;
+    /* Enqueued: the command is the queue's from here on. The ring takes the event (our
+       reference) and a reference to the Signal (cl_done() hands it to Python). */
     if (PyObject_SetAttr(counters, s_submitted, value) < 0) PyErr_WriteUnraisable(counters);
-    int refused = ev == NULL || clq_push(ring, ev, tag_c, 0) != 0;
+    Py_INCREF(sig);
+    int refused = ev == NULL || clq_hand(ring, ev, -(int64_t)v, sig) != 0;
     if (refused) {
+        Py_DECREF(sig);
         if (ev) { /* it fails, but only once the device is done with its memory; the GIL goes
-                     meanwhile (the kernel may wait for a Python command the waiter runs), and
-                     its batch goes to the device */
+                     meanwhile, and its batch goes to the device */
             Py_BEGIN_ALLOW_THREADS
             clq_open(ring);
             cl_wait(1, &ev);
             Py_END_ALLOW_THREADS
+            cl_release(ev);
         }
-    } else if (PyDict_SetItem(events, value, (PyObject *)event) < 0) {
-        PyErr_Clear(); /* (no event: other queues hold their commands back until it completed) */
-    } else {
-        PyObject *taken = PyObject_GetAttr(dq, s_taken);
-        int gone = taken ? PyObject_RichCompareBool(taken, value, Py_GE) : -1;
-        Py_XDECREF(taken);
-        if (gone != 0 && PyDict_DelItem(events, value) < 0) PyErr_Clear();
-        if (gone < 0) PyErr_Clear();
     }
-    release_lock(prog_lock);
-    release_lock(submit_lock);
+    lock_release(prog_lock);
+    lock_release(submit_lock);
     locked = prog_locked = 0;
-    if (refused) { /* as CLQueue._hand's refusal: the command fails with MemoryError */
-        PyObject *name = PyObject_GetAttr(driver, s_name);
-        PyObject *text =
-            name ? PyUnicode_FromFormat("%S: no memory for the completion ring (or the queue is closed)", name) : NULL;
-        PyObject *exc = text ? PyObject_CallOneArg(PyExc_MemoryError, text) : NULL;
-        Py_XDECREF(text);
-        PyObject *called = exc ? PyObject_CallFunction(done, "OO", float_zero, exc) : NULL;
-        if (!called) PyErr_WriteUnraisable(done);
-        Py_XDECREF(called);
-        Py_XDECREF(exc);
-        Py_XDECREF(name);
-    }
+    if (refused) fail_refused(dq, driver, sig, value);
     if (record_writes(bufs, sig) == 0) out = sig;
     goto end;
 
 decline_or_fail:
     if (r < 0) goto fail;
     if (advanced && PyObject_SetAttr(dq, s_next, value) < 0) PyErr_WriteUnraisable(dq);
-    if (inserted && PyDict_DelItem(commands, value) < 0) PyErr_WriteUnraisable(commands);
     out = Py_None;
     goto end;
 fail:
-    if (advanced || inserted) {
+    if (advanced) {
         PyObject *type, *exc, *tb;
         PyErr_Fetch(&type, &exc, &tb);
-        if (advanced && PyObject_SetAttr(dq, s_next, value) < 0) PyErr_WriteUnraisable(dq);
-        if (inserted && PyDict_DelItem(commands, value) < 0) PyErr_WriteUnraisable(commands);
+        if (PyObject_SetAttr(dq, s_next, value) < 0) PyErr_WriteUnraisable(dq);
         PyErr_Restore(type, exc, tb);
     }
 end:
-    if (prog_locked) release_lock(prog_lock);
-    if (locked) release_lock(submit_lock);
+    if (prog_locked) lock_release(prog_lock);
+    if (locked) lock_release(submit_lock);
     Py_XINCREF(out);
-    Py_XDECREF(submit_lock);
-    Py_XDECREF(prog_lock);
     Py_XDECREF(value);
     Py_XDECREF(next);
-    Py_XDECREF(tag);
-    Py_XDECREF(commands);
-    Py_XDECREF(items);
-    Py_XDECREF(events);
-    Py_XDECREF(counters);
-    Py_XDECREF(keep);
     Py_XDECREF(sig);
-    Py_XDECREF(done);
-    Py_XDECREF(item);
-    Py_XDECREF((PyObject *)event);
     Py_DECREF(entry);
+    return out;
+}
+
+/* cl_done(objs, tags, status, seconds, i, n): the entries i.. of a batch a clq_wait() or
+   clq_poll() took (the arrays' addresses) that are repeat launches' (tag -value, obj its
+   Signal with the ring's reference): (j, signals, clean). Clean: entries i..j-1 completed, with
+   consecutive values; each Signal's device time is stored, what it held for the command
+   dropped, and it is tracked again; the list holds the ring's references. Not clean: entry i
+   failed (status[i]); the list holds its Signal alone, untouched, and j is i + 1. j is i when
+   entry i is not a repeat launch's. Raises (taking nothing) only when no list can be made. */
+PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 6) {
+        PyErr_SetString(PyExc_TypeError, "cl_done(objs, tags, status, seconds, i, n)");
+        return NULL;
+    }
+    PyObject **objs = PyLong_AsVoidPtr(args[0]);
+    const int64_t *tags = PyLong_AsVoidPtr(args[1]);
+    const int32_t *status = PyLong_AsVoidPtr(args[2]);
+    const double *seconds = PyLong_AsVoidPtr(args[3]);
+    Py_ssize_t i = PyLong_AsSsize_t(args[4]), end = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (!objs || !tags || !status || !seconds || i < 0 || end > 256) {
+        PyErr_SetString(PyExc_ValueError, "cl_done: bad arrays or range");
+        return NULL;
+    }
+    Py_ssize_t j = i;
+    int clean = 1;
+    if (j < end && tags[j] < 0 && status[j] != 0) {
+        clean = 0;
+        j++;
+    } else {
+        while (j < end && tags[j] < 0 && status[j] == 0 && (j == i || tags[j] == tags[j - 1] - 1)) j++;
+    }
+    PyObject *out = PyTuple_New(3), *list = out ? PyList_New(j - i) : NULL, *stop = list ? PyLong_FromSsize_t(j) : NULL;
+    if (!stop) {
+        Py_XDECREF(list);
+        Py_XDECREF(out);
+        return NULL;
+    }
+    for (Py_ssize_t k = i; k < j; k++) PyList_SET_ITEM(list, k - i, objs[k]); /* (the ring's references) */
+    for (Py_ssize_t k = i; clean && k < j; k++) { /* (dropping what a Signal held may run Python code) */
+        PyObject *sig = objs[k];
+        PyObject *elapsed = seconds[k] != 0.0 ? PyFloat_FromDouble(seconds[k]) : NULL;
+        if (!elapsed) {
+            PyErr_Clear();
+            Py_INCREF(float_zero);
+            elapsed = float_zero;
+        }
+        set_slot(sig, off_elapsed, elapsed);
+        Py_ssize_t offs[] = {off_fn, off_args, off_deps, off_keep};
+        for (size_t f = 0; f < sizeof offs / sizeof offs[0]; f++) {
+            Py_INCREF(Py_None);
+            set_slot(sig, offs[f], Py_None);
+        }
+        if (!PyObject_GC_IsTracked(sig)) PyObject_GC_Track(sig);
+    }
+    PyTuple_SET_ITEM(out, 0, stop);
+    PyTuple_SET_ITEM(out, 1, list);
+    PyTuple_SET_ITEM(out, 2, PyBool_FromLong(clean));
     return out;
 }

@@ -64,6 +64,7 @@ struct slot {
     cl_event event;
     int64_t tag; /* the caller's name for the command (its deque entry) */
     int urgent;  /* the caller acts on its completion (a Python command): report it at once */
+    void *obj;   /* the caller's, handed back with the tag (clfast.c: a repeat launch's Signal) */
 };
 
 struct clq {
@@ -170,9 +171,7 @@ void clq_free(clq_t *q) {
     free(q);
 }
 
-/* Keep a reference to `event` until clq_wait() reported it, under `tag` (urgent: reported as
-   soon as it completed). 0, or -1 (out of memory, or the queue is closed: nothing was kept). */
-int clq_push(clq_t *q, void *event, int64_t tag, int urgent) {
+static int clq_add(clq_t *q, void *event, int64_t tag, int urgent, void *obj, int retain) {
     int out = 0;
     pthread_mutex_lock(&q->lock);
     if (q->closed) {
@@ -190,14 +189,22 @@ int clq_push(clq_t *q, void *event, int64_t tag, int urgent) {
         }
     }
     if (out == 0) {
-        q->retain(event);
-        q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag, urgent};
+        if (retain) q->retain(event);
+        q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag, urgent, obj};
         q->count++;
         if (q->idle) pthread_cond_signal(&q->more); /* (a waiter in a timed wait looks by itself) */
     }
     pthread_mutex_unlock(&q->lock);
     return out;
 }
+
+/* Keep a reference to `event` until clq_wait() reported it, under `tag` (urgent: reported as
+   soon as it completed). 0, or -1 (out of memory, or the queue is closed: nothing was kept). */
+int clq_push(clq_t *q, void *event, int64_t tag, int urgent) { return clq_add(q, event, tag, urgent, NULL, 1); }
+
+/* As clq_push (not urgent), taking over the caller's reference to `event` (it stays the
+   caller's when the call fails), with `obj`: the caller's, handed back untouched with the tag. */
+int clq_hand(clq_t *q, void *event, int64_t tag, void *obj) { return clq_add(q, event, tag, 0, obj, 0); }
 
 /* How long results taken by clq_wait() may wait for more to join them while nobody waits for
    any command of the queue (a caller polling Signal.done() sees completions this late), and
@@ -301,7 +308,7 @@ static int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
    only after a wait that failed while its event had not completed: that event is not reported
    until it has (its command may still use its memory); the call sleeps 1 ms first, so a
    caller calling again does not spin. */
-int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags) {
+int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags, void **objs) {
     if (max < 1) max = 1;
     int done = 0, now_please = 0;
     struct timespec due = {0, 0}, next;
@@ -353,18 +360,27 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags)
             if (!mine) continue; /* a poller took it: wait for the next one */
             q->taking = CLQ_WAITER;
         }
+        cl_event taken = NULL; /* (the ring's reference goes once its slot is gone: see clq_find) */
         while (done < max && q->count > 0) { /* only this thread takes events: the prefix stays */
             struct slot s = q->ring[q->head];
             pthread_mutex_unlock(&q->lock);
+            if (taken) q->release(taken);
+            taken = NULL;
             int completed = clq_read(q, s.event, &status[done], &seconds[done]);
-            if (completed) q->release(s.event);
             pthread_mutex_lock(&q->lock);
             if (!completed) break; /* not completed yet: the next batch starts with it */
             q->head = (q->head + 1) % q->cap;
             q->count--;
+            taken = s.event;
             tags[done] = s.tag;
+            objs[done] = s.obj;
             if (done++ == 0) clq_after(&due, CLQ_HOLD_NS);
             if (status[done - 1] != 0 || s.urgent) now_please = 1;
+        }
+        if (taken) {
+            pthread_mutex_unlock(&q->lock);
+            q->release(taken);
+            pthread_mutex_lock(&q->lock);
         }
         if (done == 0) { /* the wait failed and its event is still queued or running */
             q->taking = 0;
@@ -412,14 +428,15 @@ void clq_set_wake(clq_t *q, int64_t wake) {
 
 /* The poller's side of two takers (see the top of the file): wait in the calling thread, at
    most `ns`, for the event at `event_address` (a command's, handed over with clq_push, which
-   the caller keeps alive,
-   with fewer than CLQ_POLL_AHEAD commands ahead of it in the ring; any other returns 0 at
-   once) to complete, opening the gate of its batch first; then take the completed prefix of the
+   the caller keeps alive), or with `event_address` 0 for the event pushed under `tag`, with
+   fewer than CLQ_POLL_AHEAD commands ahead of it in the ring (any other returns 0 at once),
+   to complete, opening the gate of its batch first; then take the completed prefix of the
    ring, at most `max` events, up to the first urgent one, as clq_wait() reports them. Returns
    the number taken (the caller reports them, then calls clq_reported), or 0 (nothing taken:
    the event did not complete in time, the waiter took it, or the prefix starts with an
    urgent event; nothing to report). */
-int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *status, double *seconds, int64_t *tags) {
+int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int max, int32_t *status, double *seconds,
+             int64_t *tags, void **objs) {
     cl_event event = (cl_event)event_address;
     if (q->pid != getpid() || max < 1) return 0;
     struct timespec due, now;
@@ -427,11 +444,19 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
     pthread_mutex_lock(&q->lock);
     size_t ahead = 0; /* (a command with others, or a Python command, ahead of it: not polled) */
     int urgent = 0;
-    while (ahead < q->count && ahead < CLQ_POLL_AHEAD && q->ring[(q->head + ahead) % q->cap].event != event)
-        urgent |= q->ring[(q->head + ahead++) % q->cap].urgent;
+    for (; ahead < q->count && ahead < CLQ_POLL_AHEAD; ahead++) {
+        struct slot *s = &q->ring[(q->head + ahead) % q->cap];
+        if (event ? s->event == event : s->tag == tag) break;
+        urgent |= s->urgent;
+    }
     if (ahead == q->count || ahead == CLQ_POLL_AHEAD || urgent) {
         pthread_mutex_unlock(&q->lock);
         return 0;
+    }
+    int retained = !event;
+    if (retained) { /* (found by its tag: this call keeps it alive while it spins) */
+        event = q->ring[(q->head + ahead) % q->cap].event;
+        q->retain(event);
     }
     q->poller++; /* (the waiter leaves the event it woke for to this call) */
     clq_open_locked(q);
@@ -458,16 +483,25 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
         }
         if (!q->taking) {
             q->taking = CLQ_POLLER;
+            cl_event taken = NULL; /* (released once its slot is gone, as in clq_wait) */
             while (done < max && q->count > 0 && !q->ring[q->head].urgent) {
                 struct slot s = q->ring[q->head];
                 pthread_mutex_unlock(&q->lock);
-                int taken = clq_read(q, s.event, &status[done], &seconds[done]);
-                if (taken) q->release(s.event);
+                if (taken) q->release(taken);
+                taken = NULL;
+                int completed_too = clq_read(q, s.event, &status[done], &seconds[done]);
                 pthread_mutex_lock(&q->lock);
-                if (!taken) break;
+                if (!completed_too) break;
                 q->head = (q->head + 1) % q->cap;
                 q->count--;
-                tags[done++] = s.tag;
+                taken = s.event;
+                tags[done] = s.tag;
+                objs[done++] = s.obj;
+            }
+            if (taken) {
+                pthread_mutex_unlock(&q->lock);
+                q->release(taken);
+                pthread_mutex_lock(&q->lock);
             }
             if (done == 0) {
                 q->taking = 0;
@@ -480,6 +514,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, long ns, int max, int32_t *statu
     q->poller--;
     pthread_cond_broadcast(&q->token);
     pthread_mutex_unlock(&q->lock);
+    if (retained) q->release(event);
     return done;
 }
 
@@ -510,6 +545,24 @@ void clq_open(clq_t *q) {
     clq_open_locked(q);
     pthread_cond_signal(&q->more); /* (a waiter timing the gate waits for the batch now) */
     pthread_mutex_unlock(&q->lock);
+}
+
+/* A new reference to the event pushed under `tag` that nobody took yet (the caller releases
+   it), or NULL. Looked for from the newest: a dependency is usually a recent command. */
+void *clq_find(clq_t *q, int64_t tag) {
+    if (q->pid != getpid()) return NULL;
+    cl_event out = NULL;
+    pthread_mutex_lock(&q->lock);
+    for (size_t i = q->count; i-- > 0;) {
+        struct slot *s = &q->ring[(q->head + i) % q->cap];
+        if (s->tag == tag) {
+            out = s->event;
+            q->retain(out);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&q->lock);
+    return out;
 }
 
 /* 1 while a batch waits for its gate (tests, statistics). */

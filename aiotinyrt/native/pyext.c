@@ -311,12 +311,12 @@ static PyObject *prog_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_XDECREF(capturing);
         PyObject *fast = idle ? SLOT(self, off_p_fast) : NULL;  /* (self: a Program, by the descriptor) */
         Py_XINCREF(fast);
-        /* a host-run native queue's (queue, timeline, by_bufs, address), or a CL program's 7-tuple */
+        /* a host-run native queue's (queue, timeline, by_bufs, address), or a CL program's tuple */
         Py_ssize_t kind = fast && PyTuple_CheckExact(fast) ? PyTuple_GET_SIZE(fast) : 0;
         hq_t *q = NULL;
         if (kind == 4 && PyDict_CheckExact(PyTuple_GET_ITEM(fast, 2)))
             q = (hq_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 3));
-        if (q || kind == 7) {
+        if (q || kind == CL_FAST_LEN) {
             PyObject *bufs = PyTuple_New(nargs), *sig = NULL, *key = NULL;
             if (bufs) {
                 for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -404,6 +404,8 @@ static PyMethodDef hq_methods[] = {
     {"replay", (PyCFunction)(void (*)(void))py_replay, METH_FASTCALL, "replay(runs)"},
     {"cl_configure", (PyCFunction)(void (*)(void))py_cl_configure, METH_FASTCALL,
      "cl_configure(Completion, enqueue, release, wait)"},
+    {"cl_done", (PyCFunction)(void (*)(void))py_cl_done, METH_FASTCALL,
+     "cl_done(objs, tags, status, seconds, i, n)"},
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef hq_module = {
@@ -415,5 +417,7 @@ static struct PyModuleDef hq_module = {
 PyMODINIT_FUNC PyInit__hostq(void) {
     PyObject *m = PyModule_Create(&hq_module);
     if (m && PyModule_AddStringConstant(m, "SOURCE_DIGEST", HQ_SOURCE_DIGEST) < 0) Py_CLEAR(m);
+    if (m && (PyType_Ready(&LockType) < 0 || PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType) < 0))
+        Py_CLEAR(m);
     return m;
 }

@@ -28,7 +28,13 @@ HIDDEN Py_ssize_t slot_offset(PyTypeObject *type, const char *name);
 HIDDEN int same_buffers(PyObject *bufs, PyObject *handles, PyObject *timeline);
 HIDDEN int record_writes(PyObject *bufs, PyObject *sig);
 HIDDEN PyObject *py_replay(PyObject *self, PyObject *const *args, Py_ssize_t n);
-/* clfast.c: the repeat launch of a CL program */
+/* lock.c: a reentrant lock C takes without Python (1: taken, 0: held elsewhere, -1: not a Lock) */
+HIDDEN extern PyTypeObject LockType;
+HIDDEN int lock_try(PyObject *lock);
+HIDDEN void lock_release(PyObject *lock);
+/* clfast.c: the repeat launch of a CL program, and the report of those launches' completion */
+#define CL_FAST_LEN 11
 HIDDEN PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject *fast);
 HIDDEN PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n);
+HIDDEN PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n);
 #endif
