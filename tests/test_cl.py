@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -362,24 +363,34 @@ async def test_a_hand_over_interrupted_before_the_ring_took_the_event_shifts_no_
     await out.free()
 
 
-def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_has() -> None:
-    """clq_wait with a wait that fails at once (the driver's error) returns no completion while
-    the event is still queued, sleeping between calls, and reports it once it completed."""
-    lib, cl, err = native.load(), ocl.lib(), ffi.new("cl_int*")
+def _ring_waiting_with(wait: Any) -> tuple[Any, Any, tuple[Any, ...]]:
+    """A completion ring whose driver wait is ``wait`` (a cffi callback), and arrays for 4
+    results."""
+    lib, cl = native.load(), ocl.lib()
     if lib is None:
         pytest.skip("NATIVE_QUEUE=0: no completion ring (the native library is off)")
-    failing = native.ffi.callback("int(uint32_t, void*)", lambda n, events: -5)
     entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, n))) for n in cl_queue._ENTRY_POINTS]
-    entry[0] = int(native.ffi.cast("uintptr_t", failing))
+    entry[0] = int(native.ffi.cast("uintptr_t", wait))
     ring = native.ffi.gc(lib.clq_new(*entry), lib.clq_free)
-    event = cl.clCreateUserEvent(Device["CL"].context, err)  # type: ignore[attr-defined]
-    assert lib.clq_push(ring, event, 7, 0) == 0
-    status, seconds, tags, objs = (
+    arrays = (
         native.ffi.new("int32_t[4]"),
         native.ffi.new("double[4]"),
         native.ffi.new("int64_t[4]"),
         native.ffi.new("void *[4]"),
     )
+    return lib, ring, arrays
+
+
+def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_has() -> None:
+    """clq_wait with a wait that fails at once (the driver's error), while somebody waits for
+    the queue (so the driver's wait is used), returns no completion while the event is still
+    queued, sleeping between calls, and reports it once it completed."""
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    failing = native.ffi.callback("int(uint32_t, void*)", lambda n, events: -5)
+    lib, ring, (status, seconds, tags, objs) = _ring_waiting_with(failing)
+    lib.clq_set_wake(ring, 1)
+    event = cl.clCreateUserEvent(Device["CL"].context, err)  # type: ignore[attr-defined]
+    assert lib.clq_push(ring, event, 7, 0) == 0
     assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 0  # (still queued: nothing reported)
     cl.clSetUserEventStatus(event, ocl.COMPLETE)
     assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 1
@@ -387,6 +398,38 @@ def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_h
     lib.clq_close(ring)
     assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1
     cl.clReleaseEvent(event)
+
+
+def test_while_nobody_waits_the_ring_looks_at_its_oldest_event_instead_of_waiting_in_the_driver() -> None:
+    """Nobody waits for the queue: clq_wait never calls the driver's wait (a round trip's
+    command is its awaiting thread's to take); it looks at the oldest event now and then and
+    reports it once it completed. Once somebody waits, the driver's wait is used again."""
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    calls: list[int] = []
+
+    def counted(n: int, events: Any) -> int:
+        calls.append(n)
+        return int(cl.clWaitForEvents(n, ffi.cast("cl_event *", events)))
+
+    wait = native.ffi.callback("int(uint32_t, void*)", counted)
+    lib, ring, (status, seconds, tags, objs) = _ring_waiting_with(wait)
+    context = Device["CL"].context  # type: ignore[attr-defined]
+    first, second = cl.clCreateUserEvent(context, err), cl.clCreateUserEvent(context, err)
+    assert lib.clq_push(ring, first, 1, 0) == 0
+    done = threading.Timer(0.01, cl.clSetUserEventStatus, (first, ocl.COMPLETE))
+    done.start()  # (completes while the call looks)
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 1 and tags[0] == 1
+    done.join()
+    assert calls == []
+    lib.clq_set_wake(ring, 1)  # somebody waits now
+    assert lib.clq_push(ring, second, 2, 0) == 0
+    cl.clSetUserEventStatus(second, ocl.COMPLETE)
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 1 and tags[0] == 2
+    assert calls == [1]
+    lib.clq_close(ring)
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1
+    for event in (first, second):
+        cl.clReleaseEvent(event)
 
 
 async def test_a_launch_after_one_whose_arguments_failed_sets_its_arguments_again() -> None:

@@ -136,3 +136,49 @@ async def test_a_launch_while_somebody_waits_for_the_queue_goes_to_the_device_at
     with anyio.fail_after(20):
         await sig
     await out.free()
+
+
+async def test_a_launch_behind_a_command_not_done_yet_opens_no_batch(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """The device has work (the newest command handed over has not completed): a launch goes
+    to it at once, without a gate (whose user event costs more than the enqueue); behind a
+    completed one, the next launch opens a batch again."""
+    dev, queue, driver = ring
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    user = cl.clCreateUserEvent(dev.context, err)
+    driver.gate(0)
+    marker = queue.submit(_after_the_user_event(user), ())  # (no gate: pending until the test sets it)
+    driver.gate(LONG_US)
+    try:
+        sig = prog(out)
+        assert not driver.gated()
+    finally:
+        cl.clSetUserEventStatus(user, ocl.COMPLETE)
+    with anyio.fail_after(20):
+        await sig
+    assert marker.done() and not driver.gated()
+    again = prog(out)
+    assert driver.gated()  # (nothing pending: a batch, held until the await)
+    with anyio.fail_after(20):
+        await again
+    cl.clReleaseEvent(user)
+    assert (await out.numpy())[0] == 2
+    await out.free()
+
+
+def _after_the_user_event(user: object) -> object:
+    """A marker over the user event ``user`` (and its wait list): pending until it is set."""
+    from aiotinyrt.backends.ops_cl import cl_command
+
+    @cl_command
+    def marker(cq: object, n: int, wl: object) -> object:
+        waits = ffi.new("cl_event[]", [*(wl[i] for i in range(n)), user])  # type: ignore[index]
+        event = ffi.new("cl_event*")
+        assert ocl.lib().clEnqueueMarkerWithWaitList(cq, n + 1, waits, event) == 0
+        return event[0]
+
+    return marker

@@ -19,6 +19,15 @@
    somebody waits, or while the waiter is inside the driver's wait for an older command (it
    could not time a gate then; the device has work), goes to the device at once.
 
+   Nobody waits. While nobody waits for any command of the queue, the waiter does not wait
+   for the oldest event in the driver: it looks at it every CLQ_POLL_NS (a timed wait that
+   pushes do not end; clq_set_wake does). A round trip's command is taken by its awaiting
+   thread's poll (below) long before: the waiter, which the driver's wait would wake at its
+   completion and the token's return would wake again, on 2 cores shared with the driver's
+   worker, wakes once per CLQ_POLL_NS at most instead. A queue nobody waits for needs its
+   completions no sooner (see the holds below). Once somebody waits, the waiter waits in the
+   driver as before, and reports at once.
+
    Two takers (clq_poll). A caller about to wait for a command it just submitted (the loop
    thread's `await` of a launch on an idle queue) may wait for it itself, briefly: it spins on
    the command's event in clq_poll() and takes the completed prefix, as clq_wait() does, so
@@ -243,6 +252,11 @@ void *clq_gate(clq_t *q) {
         clq_open_locked(q);
         cl_int err = 0;
         int now_please = q->closed || q->blocked || atomic_load(&q->wake) != CLQ_NO_WAKE;
+        if (!now_please && q->count > 0) { /* the newest command not done: the device has work */
+            cl_int st = 0;
+            cl_event newest = q->ring[(q->head + q->count - 1) % q->cap].event;
+            now_please = q->event_info(newest, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) == 0 && st > 0;
+        }
         cl_event g = now_please ? NULL : q->create_user(q->context, &err);
         if (g && err != 0) g = NULL;
         if (g) {
@@ -349,9 +363,33 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             cl_event first = q->ring[q->head].event;
             int urgent = q->ring[q->head].urgent; /* (a poller never takes it: no need to wait) */
             q->retain(first); /* (a poller may take it and release the ring's reference) */
-            q->blocked = 1;   /* (no gate opens while it waits: see clq_gate) */
-            pthread_mutex_unlock(&q->lock);
-            q->wait(1, &first); /* (a failure: the statuses below tell) */
+            if (!urgent && !q->closed && atomic_load(&q->wake) == CLQ_NO_WAKE) {
+                /* Nobody waits for the queue: look at the oldest event every CLQ_POLL_NS instead
+                   of waiting for it in the driver (see "Nobody waits" at the top) */
+                pthread_mutex_unlock(&q->lock);
+                cl_int st = 1;
+                int ready = q->event_info(first, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) != 0 ||
+                            st <= 0;
+                if (!ready) {
+                    pthread_mutex_lock(&q->lock);
+                    atomic_store(&q->polling, 1); /* (clq_set_wake wakes it) */
+                    if (atomic_load(&q->wake) == CLQ_NO_WAKE && !q->closed) {
+                        clq_after(&next, CLQ_POLL_NS);
+                        if (q->gate && clq_before(&q->gate_due, &next)) next = q->gate_due;
+                        q->until = next;
+                        pthread_cond_timedwait(&q->more, &q->lock, &next);
+                    }
+                    atomic_store(&q->polling, 0);
+                    pthread_mutex_unlock(&q->lock);
+                    q->release(first);
+                    pthread_mutex_lock(&q->lock);
+                    continue;
+                }
+            } else {
+                q->blocked = 1; /* (no gate opens while it waits: see clq_gate) */
+                pthread_mutex_unlock(&q->lock);
+                q->wait(1, &first); /* (a failure: the statuses below tell) */
+            }
             pthread_mutex_lock(&q->lock);
             q->blocked = 0;
             while (q->taking || (q->poller && !urgent)) pthread_cond_wait(&q->token, &q->lock);
