@@ -443,8 +443,8 @@ class DriverQueue:
             self._runs,
         )
         while True:
-            taken: list[tuple[Signal, float, BaseException | None, bool]] = []
-            fast: list[Signal] = []  # (the runs taken, in value order among them)
+            # in value order: a command reported one by one, or a run (_report_run)
+            taken: list[tuple[Signal, float, BaseException | None, bool] | list[Signal]] = []
             late: list[Signal] = []
             last = 0
             with self._done_lock:
@@ -470,13 +470,17 @@ class DriverQueue:
                         value += 1
                     elif value in runs:
                         run = runs.pop(value)
-                        fast.extend(run)
+                        taken.append(run)
                         last = value = run[-1].value
                         self._taken = value
                         value += 1
                     else:
                         break
-            for sig, seconds, error, ran in taken:
+            for entry in taken:
+                if isinstance(entry, list):  # (ran; fails with the sticky error of an earlier one)
+                    self._complete_run(entry)
+                    continue
+                sig, seconds, error, ran = entry
                 if ran:  # (a driver that skips a command after a failed wait reports its own
                     for dep in sig._deps:  # error for it: the dependency's failure is the cause)
                         dep_error = dep.error()
@@ -500,12 +504,10 @@ class DriverQueue:
                         fmt_time(seconds),
                     )
                 sig._fn = sig._args = sig._deps = sig._keep = None  # type: ignore[assignment]
-            if fast:
-                self._complete_run(fast)
             if taken:
                 # (a repeat launch's Signal is untracked while pending, clfast.c: once it
                 # completed, its error or a frame holding it may lead back to it)
-                native.track([t[0] for t in taken])
+                native.track([t[0] for t in taken if not isinstance(t, list)])
             if last:
                 timeline.advance(last)
             if late:

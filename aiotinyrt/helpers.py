@@ -33,11 +33,12 @@ def environ_get(key: str) -> str:
     """``os.environ.get(key, "")``, read at each call, for the hot paths. ``os.environ.get`` of
     an unset variable raises and catches a ``KeyError`` inside (about 2 us here, twice per
     completed command when it ran on every report); on POSIX the mapping's own dict of encoded
-    names is read instead, which ``os.environ``'s every change updates."""
-    data: Any = _ENVIRON_DATA
-    environ: Any = _ENVIRON
-    if data is None or id(getattr(environ, "_data", None)) != id(data):
-        return os.environ.get(key, "")
+    names is read instead, which ``os.environ``'s every change updates; on any other mapping
+    put in its place, its ``get``."""
+    environ: Any = os.environ  # (looked up at each call: a test may replace it)
+    data = getattr(environ, "_data", None)
+    if type(data) is not dict or not hasattr(environ, "encodekey"):
+        return str(environ.get(key, ""))
     name = _ENCODED.get(key)
     if name is None:
         name = _ENCODED[key] = environ.encodekey(key)
@@ -45,9 +46,7 @@ def environ_get(key: str) -> str:
     return "" if raw is None else str(environ.decodevalue(raw))
 
 
-_ENVIRON: Any = os.environ
-_ENVIRON_DATA: Any = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_ENCODED: dict[str, Any] = {}
+_ENCODED: dict[str, Any] = {}  # (the names as os.environ's own dict holds them)
 
 
 def getenv(key: str, default: int = 0) -> int:

@@ -401,9 +401,10 @@ def test_a_wait_that_fails_before_its_event_completed_reports_nothing_until_it_h
 
 
 def test_while_nobody_waits_the_ring_looks_at_its_oldest_event_instead_of_waiting_in_the_driver() -> None:
-    """Nobody waits for the queue: clq_wait never calls the driver's wait (a round trip's
-    command is its awaiting thread's to take); it looks at the oldest event now and then and
-    reports it once it completed. Once somebody waits, the driver's wait is used again."""
+    """Nobody waits for the queue: clq_wait looks at the oldest event before it waits for it
+    in the driver (a round trip's command is its awaiting thread's to take), and reports it
+    without the driver's wait once it completed. Once somebody waits, the driver's wait is
+    used at once."""
     cl, err = ocl.lib(), ffi.new("cl_int*")
     calls: list[int] = []
 
@@ -416,11 +417,9 @@ def test_while_nobody_waits_the_ring_looks_at_its_oldest_event_instead_of_waitin
     context = Device["CL"].context  # type: ignore[attr-defined]
     first, second = cl.clCreateUserEvent(context, err), cl.clCreateUserEvent(context, err)
     assert lib.clq_push(ring, first, 1, 0) == 0
-    done = threading.Timer(0.01, cl.clSetUserEventStatus, (first, ocl.COMPLETE))
-    done.start()  # (completes while the call looks)
+    cl.clSetUserEventStatus(first, ocl.COMPLETE)
     assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 1 and tags[0] == 1
-    done.join()
-    assert calls == []
+    assert calls == []  # (its first look found it done)
     lib.clq_set_wake(ring, 1)  # somebody waits now
     assert lib.clq_push(ring, second, 2, 0) == 0
     cl.clSetUserEventStatus(second, ocl.COMPLETE)
@@ -524,3 +523,37 @@ async def test_a_command_nobody_awaits_is_seen_done_by_a_caller_polling_it() -> 
     assert dev._compute_queue.timeline.pending_waiters() == 0
     assert (await out.numpy())[0] == 1
     await out.free()
+
+
+def test_an_event_pending_past_a_few_looks_or_behind_a_python_command_is_waited_for_in_the_driver() -> None:
+    """Nobody waits: an event still pending after the waiter's few looks (1 ms) is waited for
+    in the driver (a long kernel costs no wake-ups); with a Python command's (urgent) event in
+    the ring, the driver's wait is used at once."""
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    waited = threading.Event()
+
+    def counted(n: int, events: Any) -> int:
+        waited.set()
+        return int(cl.clWaitForEvents(n, ffi.cast("cl_event *", events)))
+
+    wait = native.ffi.callback("int(uint32_t, void*)", counted)
+    lib, ring, (status, seconds, tags, objs) = _ring_waiting_with(wait)
+    context = Device["CL"].context  # type: ignore[attr-defined]
+    for urgent in (0, 1):
+        event = cl.clCreateUserEvent(context, err)
+        assert lib.clq_push(ring, event, 5 + urgent, urgent) == 0
+        waited.clear()
+        taken: list[int] = []
+        taker = threading.Thread(
+            target=lambda out: out.append(lib.clq_wait(ring, 4, status, seconds, tags, objs)), args=(taken,)
+        )
+        taker.start()
+        try:
+            assert waited.wait(30)  # (the driver's wait, while the event is still pending)
+        finally:
+            cl.clSetUserEventStatus(event, ocl.COMPLETE)
+            taker.join(30)
+        assert taken == [1] and tags[0] == 5 + urgent
+        cl.clReleaseEvent(event)
+    lib.clq_close(ring)
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1

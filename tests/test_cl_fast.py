@@ -18,6 +18,7 @@ from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
+from aiotinyrt.driverqueue import DriverQueue
 from aiotinyrt.program import Program
 from tests.helpers import int_buffer
 
@@ -233,4 +234,29 @@ async def test_a_repeat_launch_the_completion_ring_refuses_fails_once_the_kernel
     await dev.reset()
     await prog(out)  # (the waiter drops the refused command's item)
     assert (await out.numpy())[0] == 3
+    await out.free()
+
+
+async def test_a_queue_made_with_the_native_library_turned_off_later_still_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NATIVE_QUEUE=0 set after the repeat launch in C was readied: a CL queue made then has
+    no ring and reports through its Python waiter; the device's own launches go on in C."""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)
+    monkeypatch.setenv("NATIVE_QUEUE", "0")
+    driver = CLQueue("late", dev.context, dev.device_id)
+    queue = DriverQueue(dev, "late", driver, context=dev.context)
+    try:
+        assert driver._ring is None
+        await queue.submit(lambda: None, ())
+    finally:
+        driver.close()
+        queue.stop(drop_queued=True, join_timeout=30)
+    monkeypatch.delenv("NATIVE_QUEUE")
+    calls = _PythonCalls(monkeypatch)
+    await prog(out)
+    assert calls.n == 0 and (await out.numpy())[0] == 2
     await out.free()

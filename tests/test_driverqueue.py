@@ -198,3 +198,55 @@ def test_a_batch_may_hold_a_drivers_own_done_wrapper() -> None:
 
     report([(wrapper, 0.25, None), (driver.commands[1][3], 0.5, None)])
     assert seen == [0.25] and [s.result() for s in sigs] == [0.25, 0.5]
+
+
+def _launched_by_the_driver(queue: DriverQueue) -> Signal:
+    """A command the driver launches itself, as the CL repeat launch does in C (clfast.c):
+    the next value, taken under the submit lock, and no record in the queue."""
+    with queue._submit_lock:
+        value = queue._next
+        queue._next += 1
+        queue.timeline.submitted = value
+        return Signal(queue.timeline, value, nothing, (), (), None)
+
+
+def test_runs_reported_by_the_driver_complete_in_value_order_with_the_others() -> None:
+    """A run reported before the command ahead of it completes after it; one reported next
+    in line completes at once (the direct path); each succeeds."""
+    owner, driver = Owner(), Manual()
+    queue = DriverQueue(owner, "compute", driver)
+    first = queue.submit(nothing, ())
+    run = [_launched_by_the_driver(queue) for _ in range(3)]
+    queue._report_run(run)
+    assert queue.timeline.completed == 0 and queue._runs  # (behind the first command)
+    driver.complete(0)
+    assert queue.timeline.completed == 4 and not queue._runs and first.done()
+    again = [_launched_by_the_driver(queue) for _ in range(2)]
+    queue._report_run(again)  # (next in line: advanced here)
+    assert queue.timeline.completed == 6
+    assert all(s.error() is None for s in [first, *run, *again])
+
+
+def test_a_failure_after_a_run_in_the_same_pass_leaves_the_run_successful() -> None:
+    """A run and a later command that fails are completed in one pass (another thread was
+    advancing when they came in): the run, earlier in value order, stays successful; only the
+    failed command and the ones after it fail."""
+    owner, driver = Owner(), Manual()
+    queue = DriverQueue(owner, "compute", driver)
+    queue.submit(nothing, ())
+    run = [_launched_by_the_driver(queue) for _ in range(2)]
+    failing, after = queue.submit(nothing, ()), _launched_by_the_driver(queue)
+    gate, inside = threading.Event(), threading.Event()
+    queue.timeline.add_waiter(1, lambda: (inside.set(), gate.wait(60)), internal=True)
+    advancing = threading.Thread(target=driver.complete, args=(0,))  # (blocked at value 1)
+    advancing.start()
+    assert inside.wait(60)
+    queue._report_run(run)
+    driver.complete(1, RuntimeError("boom"))
+    queue._report_run([after])
+    gate.set()
+    advancing.join(60)
+    assert queue.timeline.completed == 5
+    assert all(s.error() is None for s in run)
+    assert failing.error() is owner._error and after.error() is owner._error
+    assert [(a, b) for a, b, _ in queue.timeline._failures] == [(4, 5)]  # (in value order)

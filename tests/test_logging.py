@@ -111,3 +111,14 @@ def test_the_environment_is_read_at_each_call_however_it_changes(monkeypatch: py
     assert getenv("AIOTINYRT_TEST_VAR") == 9
     del os.environ["AIOTINYRT_TEST_VAR"]
     assert getenv("AIOTINYRT_TEST_VAR", 5) == 5
+
+
+def test_the_environment_replaced_by_another_mapping_is_the_one_read() -> None:
+    """A test that puts a plain mapping in place of os.environ (mock.patch) is read through it."""
+    from unittest import mock
+
+    from aiotinyrt.helpers import getenv
+
+    with mock.patch("os.environ", {"AIOTINYRT_TEST_VAR": "7"}):
+        assert getenv("AIOTINYRT_TEST_VAR", 50) == 7
+    assert getenv("AIOTINYRT_TEST_VAR", 50) == 50

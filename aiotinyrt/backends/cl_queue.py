@@ -83,7 +83,7 @@ _ENTRY_POINTS = (
 _GATE_ENTRY_POINTS = ("clCreateUserEvent", "clSetUserEventStatus")
 
 
-_c_launch: list[bool] = []  # [whether the extension module's repeat launch is ready], once asked
+_c_launch: list[bool] = []  # [True] once the extension module's repeat launch is ready
 
 
 def cdata_address(cdata: Any) -> int:
@@ -95,12 +95,13 @@ def c_launch_ready() -> bool:
     """Whether the extension module's repeat launch of CL programs (clfast.c) is there; it is
     configured once with the loader's entry points. The launches it makes hand their events
     and Signals to the queue's completion ring themselves (see :meth:`CLQueue._report_taken`)."""
-    if not _c_launch:
+    if not _c_launch:  # (not ready: asked again next time, NATIVE_QUEUE may have changed)
         cl = ocl.lib()
         names = ("clEnqueueNDRangeKernel", "clReleaseEvent", "clWaitForEvents")
         entry = (cdata_address(ffi.addressof(cl, n)) for n in names)
-        _c_launch.append(native.cl_launcher(Completion, *entry))
-    return _c_launch[0]
+        if native.cl_launcher(Completion, *entry):
+            _c_launch.append(True)
+    return bool(_c_launch)
 
 
 class _RingCounters:
@@ -139,7 +140,7 @@ class _Taken:
         status, seconds = nffi.new("int32_t[256]"), nffi.new("double[256]")
         self.arrays = (status, seconds, tags, objs)
         self.addresses = tuple(int(nffi.cast("uintptr_t", a)) for a in (objs, tags, status, seconds))
-        self.done = native.cl_reporter() if c_launch_ready() else None
+        self.done = native.cl_reporter() if c_launch_ready() else None  # (None: no C launches)
 
 
 class CLQueue:
@@ -160,7 +161,7 @@ class CLQueue:
         #: how long :meth:`poll` waits for a command (nanoseconds), and the arrays it reads into
         #: (one set: the loop threads that poll take turns on the ring's token)
         self._poll_ns = max(0, getenv("CL_POLL_US", 50)) * 1000
-        self._poll_out = _Taken()
+        self._poll_out = None if self._ring is None else _Taken()
         #: the DriverQueue this drives (set by the device once both exist: the repeat launches'
         #: completions are reported to it directly)
         self.owner: Any = None
@@ -225,8 +226,8 @@ class CLQueue:
         the exception that stopped the hand-over, is dropped). A repeat launch made in C has
         the tag ``-value`` and its Signal as object; ``cl_done`` (clfast.c) completes each run
         of them in one call, reported with ``DriverQueue._report_run``."""
-        items, status, seconds, tags = self._items, *taken.arrays[:3]
         try:
+            items, (status, seconds, tags, _) = self._items, taken.arrays
             batch: list[tuple[Done, float, BaseException | None]] = []
             i = 0
             while i < n:
@@ -284,6 +285,7 @@ class CLQueue:
         if self._ring is None or self._poll_ns <= 0:
             return
         ring, lib, taken = self._ring, self._native, self._poll_out
+        assert taken is not None  # (made with the ring)
         address = 0 if event is None else cdata_address(event)
         n = -1
         try:

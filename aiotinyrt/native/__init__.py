@@ -352,13 +352,12 @@ def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) ->
     return True
 
 
-def cl_reporter() -> Callable[..., tuple[int, list[Any], bool]]:
+def cl_reporter() -> Callable[..., tuple[int, list[Any], bool]] | None:
     """The extension module's ``cl_done(objs, tags, status, seconds, i, n)`` (clfast.c): the
-    completed repeat launches among a batch a CL queue's ring returned. Call only once
-    :func:`cl_launcher` returned True."""
+    completed repeat launches among a batch a CL queue's ring returned; None without the
+    extension module."""
     module = _module()
-    assert module is not None
-    return module.cl_done  # type: ignore[no-any-return]
+    return None if module is None else module.cl_done
 
 
 def rlock() -> Any:

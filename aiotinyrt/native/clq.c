@@ -19,14 +19,14 @@
    somebody waits, or while the waiter is inside the driver's wait for an older command (it
    could not time a gate then; the device has work), goes to the device at once.
 
-   Nobody waits. While nobody waits for any command of the queue, the waiter does not wait
-   for the oldest event in the driver: it looks at it every CLQ_POLL_NS (a timed wait that
-   pushes do not end; clq_set_wake does). A round trip's command is taken by its awaiting
-   thread's poll (below) long before: the waiter, which the driver's wait would wake at its
-   completion and the token's return would wake again, on 2 cores shared with the driver's
-   worker, wakes once per CLQ_POLL_NS at most instead. A queue nobody waits for needs its
-   completions no sooner (see the holds below). Once somebody waits, the waiter waits in the
-   driver as before, and reports at once.
+   Nobody waits. While nobody waits for any command of the queue and no Python command is in
+   the ring, the waiter does not wait for the oldest event in the driver at first: it looks at
+   it every CLQ_POLL_NS, CLQ_LOOKS times (a timed wait that pushes do not end; clq_set_wake
+   does). A round trip's command is taken by its awaiting thread's poll (below) long before:
+   the waiter, which the driver's wait would wake at its completion and the token's return
+   would wake again, on 2 cores shared with the driver's worker, wakes once per CLQ_POLL_NS at
+   most instead. An event still pending after that is waited for in the driver (a long kernel
+   costs no wake-ups), and so is every event once somebody waits: reported at once.
 
    Two takers (clq_poll). A caller about to wait for a command it just submitted (the loop
    thread's `await` of a launch on an idle queue) may wait for it itself, briefly: it spins on
@@ -94,6 +94,9 @@ struct clq {
     _Atomic int polling;
     _Atomic int64_t wake;
     int idle;    /* the waiter waits (untimed) for an event to be handed over: a push wakes it */
+    size_t urgent_count; /* urgent slots in the ring */
+    cl_event looked_at;  /* the oldest event the waiter looked at while nobody waited ... */
+    int looks;           /* ... and how many times (see "Nobody waits" at the top) */
     int blocked; /* the waiter is inside the driver's wait: it cannot time a gate */
     struct timespec until; /* the end of the waiter's timed wait, while `polling` */
     /* The open batch's gate (NULL: none; see the top of the file), set at gate_due at the
@@ -201,6 +204,7 @@ static int clq_add(clq_t *q, void *event, int64_t tag, int urgent, void *obj, in
         if (retain) q->retain(event);
         q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag, urgent, obj};
         q->count++;
+        if (urgent) q->urgent_count++;
         if (q->idle) pthread_cond_signal(&q->more); /* (a waiter in a timed wait looks by itself) */
     }
     pthread_mutex_unlock(&q->lock);
@@ -220,6 +224,9 @@ int clq_hand(clq_t *q, void *event, int64_t tag, void *obj) { return clq_add(q, 
    how often the oldest pending event is looked at meanwhile. */
 #define CLQ_HOLD_NS 1000000L
 #define CLQ_POLL_NS 250000L
+/* How many times the waiter looks at one oldest event while nobody waits, before it waits for
+   it in the driver (see "Nobody waits" at the top). */
+#define CLQ_LOOKS 4
 
 static void clq_after(struct timespec *t, long ns) {
     clock_gettime(CLOCK_MONOTONIC, t);
@@ -363,7 +370,12 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             cl_event first = q->ring[q->head].event;
             int urgent = q->ring[q->head].urgent; /* (a poller never takes it: no need to wait) */
             q->retain(first); /* (a poller may take it and release the ring's reference) */
-            if (!urgent && !q->closed && atomic_load(&q->wake) == CLQ_NO_WAKE) {
+            if (first != q->looked_at) {
+                q->looked_at = first;
+                q->looks = 0;
+            }
+            if (!q->urgent_count && !q->closed && atomic_load(&q->wake) == CLQ_NO_WAKE &&
+                q->looks++ < CLQ_LOOKS) {
                 /* Nobody waits for the queue: look at the oldest event every CLQ_POLL_NS instead
                    of waiting for it in the driver (see "Nobody waits" at the top) */
                 pthread_mutex_unlock(&q->lock);
@@ -410,6 +422,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             q->head = (q->head + 1) % q->cap;
             q->count--;
             taken = s.event;
+            if (s.urgent) q->urgent_count--;
             tags[done] = s.tag;
             objs[done] = s.obj;
             if (done++ == 0) clq_after(&due, CLQ_HOLD_NS);
