@@ -16,11 +16,15 @@
   the queue's sticky error the later ones). A Python command ends a batch: the waiter runs it
   once its marker completed, then sets its user event. With the native library the wait and
   the reading of a batch are one C call (``clq_wait`` of :mod:`aiotinyrt.native`'s
-  ``clq.c``, which keeps a reference of its own to each event handed over with ``clq_push``);
-  without it (``NATIVE_QUEUE=0``) the waiter makes those calls in Python.
+  ``clq.c``, which keeps a reference of its own to each event handed over with ``clq_push``,
+  and waits in the driver only once somebody waits or an event stays pending; see clq.c);
+  without it (``NATIVE_QUEUE=0``) the waiter makes those calls in Python. The repeat launches
+  made in C (clfast.c) hand their events and Signals to the ring themselves and come back in
+  runs (:meth:`CLQueue._report_taken`).
 - **Batches** (the native ring only): a CL command enqueued while nobody waits for the queue
   joins a batch held back by a gate of the ring's, set when somebody starts waiting for the
-  queue or ``CL_GATE_US`` (default 50) microseconds after the batch opened; PoCL's enqueue
+  queue or ``CL_GATE_US`` (default 50) microseconds after the batch opened (none opens while
+  the newest command handed over has not completed: the device has work); PoCL's enqueue
   costs several times more when it has to wake its workers for each command (clq.c tells the
   whole rule). ``CL_GATE_US=0`` hands every command to the device at once.
 - Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
