@@ -39,14 +39,18 @@ def environ_get(key: str) -> str:
     data = getattr(environ, "_data", None)
     if type(data) is not dict or not hasattr(environ, "encodekey"):
         return str(environ.get(key, ""))
-    name = _ENCODED.get(key)
-    if name is None:
-        name = _ENCODED[key] = environ.encodekey(key)
+    if environ is _OS_ENVIRON:  # (its names, encoded once)
+        name = _ENCODED.get(key)
+        if name is None:
+            name = _ENCODED[key] = environ.encodekey(key)
+    else:
+        name = environ.encodekey(key)
     raw = data.get(name)
     return "" if raw is None else str(environ.decodevalue(raw))
 
 
-_ENCODED: dict[str, Any] = {}  # (the names as os.environ's own dict holds them)
+_OS_ENVIRON = os.environ
+_ENCODED: dict[str, Any] = {}  # (the names as the process's os.environ's own dict holds them)
 
 
 def getenv(key: str, default: int = 0) -> int:

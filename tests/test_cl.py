@@ -557,3 +557,42 @@ def test_an_event_pending_past_a_few_looks_or_behind_a_python_command_is_waited_
         cl.clReleaseEvent(event)
     lib.clq_close(ring)
     assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1
+
+
+def test_a_new_event_at_the_address_of_one_the_waiter_gave_up_looking_at_is_looked_at_again() -> None:
+    """The waiter's looks belong to one event: once it is taken, the next one, even at the same
+    address (PoCL reuses an event's memory at once), is looked at before any driver wait."""
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    waited = threading.Event()
+    calls: list[int] = []
+
+    def counted(n: int, events: Any) -> int:
+        calls.append(n)
+        waited.set()
+        return int(cl.clWaitForEvents(n, ffi.cast("cl_event *", events)))
+
+    wait = native.ffi.callback("int(uint32_t, void*)", counted)
+    lib, ring, (status, seconds, tags, objs) = _ring_waiting_with(wait)
+    context = Device["CL"].context  # type: ignore[attr-defined]
+    long = cl.clCreateUserEvent(context, err)
+    assert lib.clq_push(ring, long, 1, 0) == 0
+    taken: list[int] = []
+    taker = threading.Thread(
+        target=lambda out: out.append(lib.clq_wait(ring, 4, status, seconds, tags, objs)), args=(taken,)
+    )
+    taker.start()
+    try:
+        assert waited.wait(30)  # (its looks used up: waited for in the driver)
+    finally:
+        cl.clSetUserEventStatus(long, ocl.COMPLETE)
+        taker.join(30)
+    assert taken == [1] and calls == [1]
+    cl.clReleaseEvent(long)
+    short = cl.clCreateUserEvent(context, err)  # (here: at the released one's address)
+    cl.clSetUserEventStatus(short, ocl.COMPLETE)
+    assert lib.clq_push(ring, short, 2, 0) == 0
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == 1 and tags[0] == 2
+    assert calls == [1]  # (its first look found it done)
+    cl.clReleaseEvent(short)
+    lib.clq_close(ring)
+    assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1

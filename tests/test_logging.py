@@ -122,3 +122,21 @@ def test_the_environment_replaced_by_another_mapping_is_the_one_read() -> None:
     with mock.patch("os.environ", {"AIOTINYRT_TEST_VAR": "7"}):
         assert getenv("AIOTINYRT_TEST_VAR", 50) == 7
     assert getenv("AIOTINYRT_TEST_VAR", 50) == 50
+
+
+def test_an_environment_mapping_encoding_its_names_otherwise_is_read_with_its_own_names() -> None:
+    """An os._Environ-like mapping put in place of os.environ with another encoding of its names
+    is read through that encoding, and what it encoded is not used for os.environ afterwards."""
+    from unittest import mock
+
+    from aiotinyrt.helpers import getenv
+
+    name = "aiotinyrt_test_mixed_case"  # (read here first, under the replacement)
+    upper = os._Environ({name.upper(): "1"}, str.upper, str, str, str)  # type: ignore[attr-defined]
+    with mock.patch("os.environ", upper):
+        assert getenv(name) == 1
+    os.environ[name] = "3"
+    try:
+        assert getenv(name) == 3
+    finally:
+        del os.environ[name]

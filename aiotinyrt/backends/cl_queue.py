@@ -239,6 +239,8 @@ class CLQueue:
                     if batch:
                         report(batch)
                         batch = []
+                    if taken.done is None:  # (made while the extension module was off)
+                        taken.done = native.cl_reporter()
                     assert taken.done is not None  # (only the extension module's launches)
                     i, sigs, clean = taken.done(*taken.addresses, i, n)
                     if clean:

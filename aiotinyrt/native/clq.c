@@ -422,6 +422,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             q->head = (q->head + 1) % q->cap;
             q->count--;
             taken = s.event;
+            if (s.event == q->looked_at) q->looked_at = NULL; /* (its address may be reused at once) */
             if (s.urgent) q->urgent_count--;
             tags[done] = s.tag;
             objs[done] = s.obj;
@@ -546,6 +547,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int max, i
                 q->head = (q->head + 1) % q->cap;
                 q->count--;
                 taken = s.event;
+                if (s.event == q->looked_at) q->looked_at = NULL;
                 tags[done] = s.tag;
                 objs[done++] = s.obj;
             }
