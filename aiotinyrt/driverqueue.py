@@ -132,10 +132,14 @@ class Driver(Protocol):
 
         A driver may offer ``poll(value, event)``: a brief wait, in the thread about to await a
         command, for that command's event (None: a command the driver launched itself, whose
-        event it finds; or one it no longer has), reporting it (and what completed before it) from that thread
-        if it completes meanwhile; the queue's timeline then calls it before a task registers
-        a waiter (``Timeline.poll``). It must return promptly whatever happens: the thread is
-        an event loop's."""
+        event it finds; or one it no longer has), reporting it (and what completed before it)
+        from that thread if it completes meanwhile; the queue's timeline then calls it before a
+        task registers a waiter (``Timeline.poll``). It must return promptly whatever happens:
+        the thread is an event loop's.
+
+        A driver that launches commands itself (see "Commands a driver launches itself" in the
+        module docstring) offers ``find(value)``: the event of such a pending command, a
+        reference the caller may keep, or None once it is no longer the driver's."""
         ...
 
 

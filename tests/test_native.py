@@ -543,10 +543,14 @@ def test_a_blocking_acquire_of_the_native_lock_lets_the_gil_go_until_it_is_relea
     lock = _native_lock()
     events: list[str] = []
     lock.acquire()
-    waiter = threading.Thread(target=lambda: (lock.acquire(), events.append("got"), lock.release()))
+    trying = threading.Event()
+    waiter = threading.Thread(
+        target=lambda: (trying.set(), lock.acquire(), events.append("got"), lock.release())
+    )
     waiter.start()
-    waiter.join(0.05)  # (returns: this thread runs Python while the waiter blocks)
-    assert waiter.is_alive() and events == []
+    assert trying.wait(30)
+    waiter.join(0.05)  # (returns: this thread runs Python while the waiter blocks; a lock that
+    assert waiter.is_alive() and events == []  # did not block would have let it finish by now)
     events.append("held")
     lock.release()
     waiter.join(30)
