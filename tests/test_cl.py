@@ -23,7 +23,7 @@ from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.device import Compiled
 from aiotinyrt.driverqueue import Done
 from aiotinyrt.program import Program
-from tests.helpers import CASES, Case, run_cpu
+from tests.helpers import CASES, Case, cl_ring, run_cpu
 
 pytestmark = pytest.mark.anyio
 
@@ -596,3 +596,35 @@ def test_a_new_event_at_the_address_of_one_the_waiter_gave_up_looking_at_is_look
     cl.clReleaseEvent(short)
     lib.clq_close(ring)
     assert lib.clq_wait(ring, 4, status, seconds, tags, objs) == -1
+
+
+FORKED_RING = """
+import os, sys
+from aiotinyrt import Device, native
+from aiotinyrt.backends import opencl as ocl
+
+dev = Device["CL"]
+driver = dev._compute_queue.driver
+lib, ring = driver._native, driver._ring
+driver.gate(60_000_000)  # (an idle queue with gating on: clq_gate opens a batch)
+pid = os.fork()
+if pid == 0:  # the ring is the parent's: clq_gate does nothing here
+    os._exit(0 if lib.clq_gate(ring) == native.ffi.NULL else 3)
+_, status = os.waitpid(pid, 0)
+gate = lib.clq_gate(ring)  # (the parent's own ring still opens a batch)
+print(os.waitstatus_to_exitcode(status), gate != native.ffi.NULL)
+lib.clq_open(ring)
+ocl.lib().clReleaseEvent(ocl.ffi.cast("cl_event", int(native.ffi.cast("uintptr_t", gate))))
+"""
+
+
+def test_a_forked_child_leaves_the_parents_completion_ring_alone() -> None:
+    """The ring knows the process that made it (clq.c keeps this process's id, updated by a
+    fork handler, instead of asking the kernel at every enqueue): in a child forked after it,
+    clq_gate opens no batch (PoCL's threads are the parent's); in the parent it still does."""
+    cl_ring("fork check")
+    result = subprocess.run(
+        [sys.executable, "-c", FORKED_RING], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "0 True\n", (result.stdout, result.stderr)

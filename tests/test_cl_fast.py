@@ -71,6 +71,8 @@ async def test_repeat_launches_are_made_in_c_and_leave_no_record_but_their_signa
         assert calls.n == 1 and len(prog._fast or ()) == 11
         assert not any(gc.is_tracked(s) for s in sigs[1:])  # (pending: the collector skips them)
         last = sigs[-1]
+        kept = last._keep  # (nor their tuples of buffers, which would outlive young collections)
+        assert kept == (out,) and not any(gc.is_tracked(s._keep) for s in sigs[1:])
         assert out._accesses == [(0, 4, last, True)] and last.timeline is queue.timeline
         assert [s.value for s in sigs] == list(range(ahead.value + 1, ahead.value + 201))
         assert last.value not in queue._events and last.value not in queue._commands
@@ -85,6 +87,7 @@ async def test_repeat_launches_are_made_in_c_and_leave_no_record_but_their_signa
     assert queue._commands == {} and queue._events == {} and queue._runs == {}
     assert queue._event(last.value) is None  # (reported: the ring let it go)
     assert all(gc.is_tracked(s) for s in sigs)  # (completed: a frame or an error may hold them)
+    assert gc.is_tracked(kept)  # (a tuple still held elsewhere is the collector's again)
     assert all(s._keep is None and s._args is None for s in sigs)  # (what they held is dropped)
     await out.free()
 

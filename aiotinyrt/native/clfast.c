@@ -175,7 +175,11 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     /* The Signal is made first, before any lock is taken or any state is read (a collection
        could run Python code). It is never looked at by the cyclic collector while its command
        is pending (thousands at once in a pipeline: each collection of the older generations
-       would walk them all); cl_done() or DriverQueue tracks it again once it completed. */
+       would walk them all); cl_done() or DriverQueue tracks it again once it completed. Nor is
+       its keep, the tuple of the launch's buffers, once handed to the ring: tracked, each one
+       outlived the young generation's collections while pending and reached the oldest, whose
+       collections (a walk of every object of the process) then came every few thousand
+       launches, a fifth of a launch's cost; cl_done() tracks it again. */
     Py_INCREF(entry); /* (it holds the global size) */
     PyObject *value = NULL, *next = NULL, *out = NULL;
     PyObject *sig = sig_type->tp_alloc(sig_type, 0);
@@ -236,6 +240,8 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
             Py_END_ALLOW_THREADS
             cl_release(ev);
         }
+    } else if (PyObject_GC_IsTracked(bufs)) {
+        PyObject_GC_UnTrack(bufs); /* (as the Signal: see keep_tracked) */
     }
     lock_release(prog_lock);
     lock_release(submit_lock);
@@ -265,6 +271,13 @@ end:
     Py_XDECREF(sig);
     Py_DECREF(entry);
     return out;
+}
+
+/* A Signal's keep made untracked by cl_launch_impl goes back to the cyclic collector (before
+   the Signal itself does, and whoever drops it) once its command completed. */
+static void keep_tracked(PyObject *sig) {
+    PyObject *keep = SLOT(sig, off_keep);
+    if (keep && PyTuple_CheckExact(keep) && !PyObject_GC_IsTracked(keep)) PyObject_GC_Track(keep);
 }
 
 /* cl_done(objs, tags, status, seconds, i, n): the entries i.. of a batch a clq_wait() or
@@ -304,7 +317,10 @@ PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         Py_XDECREF(out);
         return NULL;
     }
-    for (Py_ssize_t k = i; k < j; k++) PyList_SET_ITEM(list, k - i, objs[k]); /* (the ring's references) */
+    for (Py_ssize_t k = i; k < j; k++) {
+        PyList_SET_ITEM(list, k - i, objs[k]); /* (the ring's references) */
+        keep_tracked(objs[k]);
+    }
     for (Py_ssize_t k = i; clean && k < j; k++) { /* (dropping what a Signal held may run Python code) */
         PyObject *sig = objs[k];
         PyObject *elapsed = seconds[k] != 0.0 ? PyFloat_FromDouble(seconds[k]) : NULL;

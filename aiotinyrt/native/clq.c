@@ -114,6 +114,21 @@ struct clq {
     ref_fn retain, release;
 };
 
+/* This process's id, kept by a fork handler: getpid() is a system call (glibc keeps no cache),
+   and every enqueue asks (clq_gate) whether its ring is this process's. */
+static _Atomic pid_t self_pid;
+static pthread_once_t self_pid_once = PTHREAD_ONCE_INIT;
+
+static void self_pid_update(void) { atomic_store(&self_pid, getpid()); }
+
+static void self_pid_init(void) {
+    self_pid_update();
+    pthread_atfork(NULL, NULL, self_pid_update);
+}
+
+/* 1 in a child forked after `q` was made (its waiter and the driver's threads are gone). */
+static int clq_forked(const clq_t *q) { return q->pid != atomic_load(&self_pid); }
+
 clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, uintptr_t retain,
                uintptr_t release) {
     clq_t *q = calloc(1, sizeof *q);
@@ -139,7 +154,8 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
     q->profiling_info = (info_fn)profiling_info;
     q->retain = (ref_fn)retain;
     q->release = (ref_fn)release;
-    q->pid = getpid();
+    pthread_once(&self_pid_once, self_pid_init);
+    q->pid = atomic_load(&self_pid);
     return q;
 }
 
@@ -157,7 +173,7 @@ static void clq_open_locked(clq_t *q) {
    the queue's cl_context, `create_user` and `set_status` clCreateUserEvent and
    clSetUserEventStatus, a batch held `ns` nanoseconds at most (0: gating off). */
 void clq_gating(clq_t *q, void *context, uintptr_t create_user, uintptr_t set_status, long ns) {
-    if (q->pid != getpid()) return; /* a forked child: the parent's waiter may have held the lock */
+    if (clq_forked(q)) return; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
     clq_open_locked(q);
     pthread_cond_signal(&q->more); /* (a waiter timing the gate looks at the new one) */
@@ -175,7 +191,7 @@ void clq_gating(clq_t *q, void *context, uintptr_t create_user, uintptr_t set_st
    resource). */
 void clq_free(clq_t *q) {
     if (!q) return;
-    if (q->pid == getpid()) {
+    if (!clq_forked(q)) {
         clq_open_locked(q);
         for (size_t i = 0; i < q->count; i++) q->release(q->ring[(q->head + i) % q->cap].event);
     }
@@ -248,43 +264,46 @@ static int clq_before(const struct timespec *a, const struct timespec *b) {
    device at once (somebody waits for the queue, gating is off or failed, the queue closed).
    The caller serializes its calls with its pushes (its submit lock). */
 void *clq_gate(clq_t *q) {
-    if (!q->gate_ns || q->pid != getpid()) return NULL;
+    if (!q->gate_ns || clq_forked(q)) return NULL;
     struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
     cl_event out = NULL;
     pthread_mutex_lock(&q->lock);
-    if (q->gate && clq_before(&now, &q->gate_due) && !q->closed) {
-        /* it joins the open batch (a caller that started waiting meanwhile set its gate) */
-    } else {
-        clq_open_locked(q);
-        cl_int err = 0;
-        int now_please = q->closed || q->blocked || atomic_load(&q->wake) != CLQ_NO_WAKE;
-        if (!now_please && q->count > 0) { /* the newest command not done: the device has work */
-            cl_int st = 0;
-            cl_event newest = q->ring[(q->head + q->count - 1) % q->cap].event;
-            now_please = q->event_info(newest, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) == 0 && st > 0;
+    if (q->gate) { /* (the clock is read only when a batch is open or opens: a busy queue needs none) */
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (clq_before(&now, &q->gate_due) && !q->closed) {
+            pthread_mutex_unlock(&q->lock); /* it joins the open batch */
+            return NULL;
         }
-        cl_event g = now_please ? NULL : q->create_user(q->context, &err);
-        if (g && err != 0) g = NULL;
-        if (g) {
-            q->gate = g;
-            q->gate_due = now;
-            q->gate_due.tv_nsec += q->gate_ns;
-            while (q->gate_due.tv_nsec >= 1000000000L) {
-                q->gate_due.tv_sec += 1;
-                q->gate_due.tv_nsec -= 1000000000L;
-            }
-            /* (stored, then `wake` loaded: a caller that started waiting meanwhile either sees
-               the gate in clq_set_wake or is seen here) */
-            atomic_store(&q->gated, 1);
-            if (atomic_load(&q->wake) != CLQ_NO_WAKE) {
-                clq_open_locked(q);
-            } else {
-                q->retain(g); /* (the caller's, until its enqueue read the wait list) */
-                out = g;
-                if (q->idle || (atomic_load(&q->polling) && clq_before(&q->gate_due, &q->until)))
-                    pthread_cond_signal(&q->more); /* (the waiter times the gate) */
-            }
+        clq_open_locked(q);
+    }
+    cl_int err = 0;
+    int now_please = q->closed || q->blocked || atomic_load(&q->wake) != CLQ_NO_WAKE;
+    if (!now_please && q->count > 0) { /* the newest command not done: the device has work */
+        cl_int st = 0;
+        cl_event newest = q->ring[(q->head + q->count - 1) % q->cap].event;
+        now_please = q->event_info(newest, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) == 0 && st > 0;
+    }
+    cl_event g = now_please ? NULL : q->create_user(q->context, &err);
+    if (g && err != 0) g = NULL;
+    if (g) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        q->gate = g;
+        q->gate_due = now;
+        q->gate_due.tv_nsec += q->gate_ns;
+        while (q->gate_due.tv_nsec >= 1000000000L) {
+            q->gate_due.tv_sec += 1;
+            q->gate_due.tv_nsec -= 1000000000L;
+        }
+        /* (stored, then `wake` loaded: a caller that started waiting meanwhile either sees
+           the gate in clq_set_wake or is seen here) */
+        atomic_store(&q->gated, 1);
+        if (atomic_load(&q->wake) != CLQ_NO_WAKE) {
+            clq_open_locked(q);
+        } else {
+            q->retain(g); /* (the caller's, until its enqueue read the wait list) */
+            out = g;
+            if (q->idle || (atomic_load(&q->polling) && clq_before(&q->gate_due, &q->until)))
+                pthread_cond_signal(&q->more); /* (the waiter times the gate) */
         }
     }
     pthread_mutex_unlock(&q->lock);
@@ -468,7 +487,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
 void clq_set_wake(clq_t *q, int64_t wake) {
     atomic_store(&q->wake, wake); /* (no lock: the submitting thread sets it per wait) */
     if (wake == CLQ_NO_WAKE || !(atomic_load(&q->polling) || atomic_load(&q->gated))) return;
-    if (q->pid != getpid()) return; /* a forked child: the parent's waiter may have held the lock */
+    if (clq_forked(q)) return; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
     clq_open_locked(q); /* (the batch goes to the device: somebody waits) */
     pthread_cond_signal(&q->more);
@@ -490,7 +509,7 @@ void clq_set_wake(clq_t *q, int64_t wake) {
 int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int max, int32_t *status, double *seconds,
              int64_t *tags, void **objs) {
     cl_event event = (cl_event)event_address;
-    if (q->pid != getpid() || max < 1) return 0;
+    if (clq_forked(q) || max < 1) return 0;
     struct timespec due, now;
     clq_after(&due, ns);
     pthread_mutex_lock(&q->lock);
@@ -575,7 +594,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int max, i
    (clq_reported), 0 if none: its caller reports them even when an exception (a signal
    handler's) came between the call and its own reading of the result. */
 int clq_polled(clq_t *q) {
-    if (q->pid != getpid()) return 0; /* a forked child: the parent's waiter may have held the lock */
+    if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
     int n = q->polled && pthread_equal(q->poll_owner, pthread_self()) ? q->polled : 0;
     pthread_mutex_unlock(&q->lock);
@@ -593,7 +612,7 @@ void clq_reported(clq_t *q) {
 
 /* Set the open batch's gate now (a command of another queue waits for one of its commands). */
 void clq_open(clq_t *q) {
-    if (!atomic_load(&q->gated) || q->pid != getpid()) return;
+    if (!atomic_load(&q->gated) || clq_forked(q)) return;
     pthread_mutex_lock(&q->lock);
     clq_open_locked(q);
     pthread_cond_signal(&q->more); /* (a waiter timing the gate waits for the batch now) */
@@ -603,7 +622,7 @@ void clq_open(clq_t *q) {
 /* A new reference to the event pushed under `tag` that nobody took yet (the caller releases
    it), or NULL. Looked for from the newest: a dependency is usually a recent command. */
 void *clq_find(clq_t *q, int64_t tag) {
-    if (q->pid != getpid()) return NULL;
+    if (clq_forked(q)) return NULL;
     cl_event out = NULL;
     pthread_mutex_lock(&q->lock);
     for (size_t i = q->count; i-- > 0;) {

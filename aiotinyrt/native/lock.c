@@ -10,10 +10,16 @@
    the locks it serves are held for the length of one hand-over to a driver. */
 #include "pyext.h"
 
+#include <errno.h>
+#include <pthread.h>
 #include <pythread.h>
+#include <time.h>
 
+/* (a pthread mutex, not a PyThread lock: CPython's non-blocking acquire of its lock reads the
+   monotonic clock first, a tenth of a repeat launch for its two locks, measured) */
 typedef struct {
-    PyObject_HEAD PyThread_type_lock lock;
+    PyObject_HEAD pthread_mutex_t mutex;
+    int ready;           /* the mutex is initialized */
     unsigned long owner; /* the holder's thread ident while count > 0 */
     unsigned long count;
 } Lock;
@@ -24,36 +30,62 @@ static int lock_init(PyObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     Lock *l = (Lock *)self;
-    if (!l->lock && !(l->lock = PyThread_allocate_lock())) {
-        PyErr_NoMemory();
-        return -1;
+    if (!l->ready) {
+        int err = pthread_mutex_init(&l->mutex, NULL);
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        l->ready = 1;
     }
     return 0;
 }
 
 static void lock_dealloc(PyObject *self) {
     Lock *l = (Lock *)self;
-    if (l->lock) {
-        if (l->count) PyThread_release_lock(l->lock);
-        PyThread_free_lock(l->lock);
+    if (l->ready) {
+        if (l->count) pthread_mutex_unlock(&l->mutex);
+        pthread_mutex_destroy(&l->mutex);
     }
     Py_TYPE(self)->tp_free(self);
 }
 
+/* Wait for the mutex, at most `timeout_us` (negative: no limit): 1 taken, 0 timed out. */
+static int lock_wait(Lock *l, long long timeout_us) {
+    if (timeout_us < 0) return pthread_mutex_lock(&l->mutex) == 0;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    const clockid_t clock = CLOCK_MONOTONIC; /* (a change of the wall clock does not move it) */
+#else
+    const clockid_t clock = CLOCK_REALTIME;
+#endif
+    struct timespec due;
+    clock_gettime(clock, &due);
+    due.tv_sec += (time_t)(timeout_us / 1000000);
+    due.tv_nsec += (long)(timeout_us % 1000000) * 1000;
+    if (due.tv_nsec >= 1000000000L) {
+        due.tv_sec += 1;
+        due.tv_nsec -= 1000000000L;
+    }
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    return pthread_mutex_clocklock(&l->mutex, clock, &due) == 0;
+#else
+    return pthread_mutex_timedlock(&l->mutex, &due) == 0;
+#endif
+}
+
 /* 1: taken by this thread (again, or anew), 0: another thread holds it. */
-static int lock_take(Lock *l, int blocking, PY_TIMEOUT_T timeout_us) {
+static int lock_take(Lock *l, int blocking, long long timeout_us) {
     unsigned long me = PyThread_get_thread_ident();
     if (l->count && l->owner == me) {
         l->count++;
         return 1;
     }
-    int got = PyThread_acquire_lock(l->lock, NOWAIT_LOCK);
-    if (!got && blocking) {
-        PyLockStatus r;
+    int got = pthread_mutex_trylock(&l->mutex) == 0;
+    if (!got && blocking && timeout_us != 0) {
         Py_BEGIN_ALLOW_THREADS
-        r = PyThread_acquire_lock_timed(l->lock, timeout_us, 0);
+        got = lock_wait(l, timeout_us);
         Py_END_ALLOW_THREADS
-        got = r == PY_LOCK_ACQUIRED;
     }
     if (got) {
         l->owner = me;
@@ -64,7 +96,7 @@ static int lock_take(Lock *l, int blocking, PY_TIMEOUT_T timeout_us) {
 
 /* Take `lock` if nobody holds it, this thread included: 1 taken, 0 held, -1 not a Lock. */
 int lock_try(PyObject *lock) {
-    if (Py_TYPE(lock) != &LockType || !((Lock *)lock)->lock) return -1;
+    if (Py_TYPE(lock) != &LockType || !((Lock *)lock)->ready) return -1;
     return ((Lock *)lock)->count == 0 && lock_take((Lock *)lock, 0, 0);
 }
 
@@ -73,7 +105,7 @@ void lock_release(PyObject *lock) {
     Lock *l = (Lock *)lock;
     if (--l->count == 0) {
         l->owner = 0;
-        PyThread_release_lock(l->lock);
+        pthread_mutex_unlock(&l->mutex);
     }
 }
 
@@ -90,7 +122,11 @@ static PyObject *py_acquire(PyObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
         return NULL;
     }
-    PY_TIMEOUT_T us = timeout < 0 ? -1 : (PY_TIMEOUT_T)(timeout * 1e6);
+    if (timeout > (double)PY_TIMEOUT_MAX / 1e6) {
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return NULL;
+    }
+    long long us = timeout < 0 ? -1 : (long long)(timeout * 1e6);
     return PyBool_FromLong(lock_take((Lock *)self, blocking, us));
 }
 
