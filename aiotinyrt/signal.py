@@ -150,9 +150,11 @@ class Timeline:
         "_lib",
         "_lock",
         "_seq",
+        "claim",
         "device",
         "name",
         "poll",
+        "unclaim",
     )
 
     def __init__(self, device: str, name: str, lib: Any = None, state: Any = None) -> None:
@@ -182,7 +184,11 @@ class Timeline:
         self._generation = fork_generation()  # the process (by fork generation) that runs it
         #: a driver-run queue's brief wait for command ``value`` in the awaiting thread, which
         #: completes it there if it completes meanwhile (``Driver.poll``); None: no such wait
-        self.poll: Callable[[int], None] | None = None
+        self.poll: Callable[..., None] | None = None
+        #: a driver-run queue's claim of command ``value`` for a ``poll(value, True)`` of this
+        #: thread after a checkpoint (True: claimed; ``unclaim()`` gives up), if it offers one
+        self.claim: Callable[[int], bool] | None = None
+        self.unclaim: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Timeline {self.device}/{self.name} completed={self.completed} submitted={self.submitted}>"
@@ -482,8 +488,22 @@ class Signal:
     async def _settle(self, timeout: float | None = None) -> None:
         """Wait until done without raising the command's error (see :meth:`wait`)."""
         timeline, value = self.timeline, self.value
-        if timeline.completed < value and timeline.poll is not None:
-            timeline.poll(value)  # (a driver-run queue: see Timeline.poll)
+        checked = False  # (the checkpoint made)
+        if timeline.completed < value and timeline.poll is not None:  # a driver-run queue
+            claim = timeline.claim
+            if claim is not None and claim(value):
+                # The checkpoint first, while the device runs the command (the claim sent it),
+                # then the poll that ends the claim: the waiter thread leaves it to this poll
+                try:
+                    await anyio.lowlevel.checkpoint()
+                except BaseException:
+                    assert timeline.unclaim is not None
+                    timeline.unclaim()
+                    raise
+                checked = True
+                timeline.poll(value, True)
+            else:
+                timeline.poll(value)  # (see Timeline.poll)
         if timeline.completed < value and timeline._lib is not None and _POLL_S > 0:
             # A native command just submitted to an awake worker is often done a few
             # microseconds later; polling that long (the worker needs no GIL) is far cheaper
@@ -492,7 +512,8 @@ class Signal:
             while timeline.completed < value and time.perf_counter() < deadline:
                 pass
         if timeline.completed >= value:
-            await anyio.lowlevel.checkpoint()
+            if not checked:
+                await anyio.lowlevel.checkpoint()
             return
         if timeline._generation != fork_generation():  # a device of the parent: nothing runs it
             raise DeviceError(forked_error_message(timeline.device), device=timeline.device)

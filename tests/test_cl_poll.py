@@ -124,8 +124,8 @@ async def test_a_poll_returns_after_its_budget_while_its_command_waits_for_a_pyt
     polls: list[bool] = []
     real_poll = driver.poll
 
-    def poll(value: int, event: Any) -> None:
-        real_poll(value, event)
+    def poll(value: int, event: Any, claimed: bool = False) -> None:
+        real_poll(value, event, claimed)
         polls.append(go.is_set())  # (returned while the Python command still held the queue)
 
     monkeypatch.setattr(queue, "_driver_poll", poll)
@@ -394,4 +394,130 @@ async def test_a_command_behind_a_python_command_is_not_polled(
         await last
     assert between.done() and ran and ran[0] != threading.get_ident()
     assert (await out.numpy())[0] == 2
+    await out.free()
+
+
+class _ClaimLog:
+    """The claims, checkpoints and polls an await of the queue ``queue`` makes, in order."""
+
+    def __init__(self, queue: DriverQueue, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        timeline = queue.timeline
+        claim, unclaim, poll = timeline.claim, timeline.unclaim, timeline.poll
+        checkpoint = anyio.lowlevel.checkpoint
+        assert claim is not None and unclaim is not None and poll is not None
+
+        def logged_claim(value: int) -> bool:
+            got = claim(value)
+            self.calls.append(f"claim {got}")
+            return got
+
+        def logged_unclaim() -> None:
+            self.calls.append("unclaim")
+            unclaim()
+
+        def logged_poll(value: int, claimed: bool = False) -> None:
+            self.calls.append("poll claimed" if claimed else "poll")
+            poll(value, claimed)
+
+        async def logged_checkpoint() -> None:
+            self.calls.append("checkpoint")
+            await checkpoint()
+
+        monkeypatch.setattr(timeline, "claim", logged_claim)
+        monkeypatch.setattr(timeline, "unclaim", logged_unclaim)
+        monkeypatch.setattr(timeline, "poll", logged_poll)
+        monkeypatch.setattr(anyio.lowlevel, "checkpoint", logged_checkpoint)
+
+
+async def test_an_await_claims_its_launch_makes_its_checkpoint_while_it_runs_then_polls(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim sends the held-back launch to the device, the await's one checkpoint comes
+    while it runs, and the poll that ends the claim reports it from the awaiting thread."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    reports = _Reports(monkeypatch)
+    log = _ClaimLog(queue, monkeypatch)
+    sig = prog(out)
+    assert driver.gated()
+    with anyio.fail_after(30):
+        await sig
+    assert log.calls == ["claim True", "checkpoint", "poll claimed"]
+    assert reports.threads == [threading.get_ident()] and reports.values == [sig.value]
+    assert (await out.numpy())[0] == 1
+    await out.free()
+
+
+async def test_the_waiter_leaves_a_claimed_command_to_the_poll_even_when_somebody_waits(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claimed (for a minute here), a launch that completed stays the poll's: while another
+    task waits for it (the waiter then waits in the driver and reports at once), the waiter
+    reports nothing for 50 ms after its completion; the claimed poll reports it, here."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    monkeypatch.setattr(cl_queue, "_CLAIM_NS", MINUTE_US * 1000)
+    reports = _Reports(monkeypatch)
+    timeline = queue.timeline
+    sig = prog(out)
+    assert timeline.claim is not None and timeline.claim(sig.value)
+    woken = threading.Event()
+    timeline.add_waiter(sig.value, woken.set, internal=True)  # (wake_at: somebody waits)
+    event = queue._event(sig.value)
+    cl, status = ocl.lib(), ffi.new("cl_int*", 1)
+    deadline = time.monotonic() + 30
+    while status[0] > 0 and time.monotonic() < deadline:  # (completed on the device)
+        assert cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, ffi.NULL) == 0
+    assert status[0] == 0
+    assert not woken.wait(0.05)  # (the GIL is free meanwhile: the waiter could have reported)
+    assert reports.values == [] and not sig.done()
+    timeline.poll(sig.value, True)
+    assert sig.done() and woken.is_set()
+    assert reports.threads == [threading.get_ident()] and reports.values == [sig.value]
+    await out.free()
+
+
+async def test_a_claim_nobody_polls_for_ends_after_its_time_and_the_waiter_reports(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim lasts ``_CLAIM_NS`` at most (1 us here): the waiter then reports the command
+    itself; the poll that ends the claim later finds it done and takes nothing."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    monkeypatch.setattr(cl_queue, "_CLAIM_NS", 1000)
+    reports = _Reports(monkeypatch)
+    timeline = queue.timeline
+    sig = prog(out)
+    assert timeline.claim is not None and timeline.claim(sig.value)
+    done = threading.Event()
+    timeline.add_waiter(sig.value, done.set, internal=True)
+    assert await anyio.to_thread.run_sync(done.wait, 30)
+    assert reports.threads != [threading.get_ident()] and reports.values == [sig.value]
+    assert driver._native.clq_claims(driver._ring) == 1
+    timeline.poll(sig.value, True)
+    assert reports.values == [sig.value] and driver._native.clq_claims(driver._ring) == 0
+    await out.free()
+
+
+async def test_an_await_cancelled_at_its_checkpoint_gives_its_claim_up(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled at the checkpoint that follows the claim, the await gives the claim up (no
+    poll comes), and the waiter reports the command, which ran: the wait is cancelled, not
+    the work."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    monkeypatch.setattr(cl_queue, "_CLAIM_NS", MINUTE_US * 1000)
+    log = _ClaimLog(queue, monkeypatch)
+    sig = prog(out)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await sig
+    assert log.calls == ["claim True", "checkpoint", "unclaim"] and scope.cancelled_caught
+    assert driver._native.clq_claims(driver._ring) == 0
+    done = threading.Event()
+    queue.timeline.add_waiter(sig.value, done.set, internal=True)
+    assert await anyio.to_thread.run_sync(done.wait, 30)  # (a claim left would hold it a minute)
+    assert (await out.numpy())[0] == 1
     await out.free()

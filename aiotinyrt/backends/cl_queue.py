@@ -27,6 +27,11 @@
   the newest command handed over has not completed: the device has work); PoCL's enqueue
   costs several times more when it has to wake its workers for each command (clq.c tells the
   whole rule). ``CL_GATE_US=0`` hands every command to the device at once.
+- **Await** (the native ring only): the awaiting thread may take a command's completion
+  itself (``poll``, clq.c's "Two takers"). ``await sig`` first claims the command (``claim``:
+  its batch goes to the device), makes the checkpoint every await makes while the device runs
+  it, then polls; meanwhile the waiter leaves completions to that poll, for ``_CLAIM_NS`` at
+  most.
 - Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
   before it reports, the DriverQueue its own when the command completed.
 """
@@ -85,6 +90,12 @@ _ENTRY_POINTS = (
 
 
 _GATE_ENTRY_POINTS = ("clCreateUserEvent", "clSetUserEventStatus")
+
+#: How long a claim (:meth:`CLQueue.claim`) keeps the waiter from reporting what completes: the
+#: claiming task's checkpoint takes ~10-20 us; a loop that runs other tasks for longer delays
+#: the reports of this queue's commands by this much at most, then the waiter reports them and
+#: the poll that ends the claim finds them done.
+_CLAIM_NS = 1_000_000
 
 
 _c_launch: list[bool] = []  # [True] once the extension module's repeat launch is ready
@@ -278,7 +289,21 @@ class CLQueue:
             return None
         return ffi.gc(ffi.cast("cl_event", cdata_address(address)), ocl.lib().clReleaseEvent)
 
-    def poll(self, value: int, event: Any) -> None:
+    def claim(self, value: int, event: Any) -> bool:
+        """Claim command ``value`` (``event`` as :meth:`poll`'s) for a poll of this thread to
+        come, after its checkpoint (see ``Driver.poll``): its batch goes to the device now, and
+        the waiter thread leaves what completes to that poll for ``_CLAIM_NS`` at most."""
+        if self._ring is None or self._poll_ns <= 0:
+            return False
+        address = 0 if event is None else cdata_address(event)
+        return bool(self._native.clq_claim(self._ring, address, -value, _CLAIM_NS))
+
+    def unclaim(self) -> None:
+        """End a claim that no poll ends (the awaiting task was cancelled at its checkpoint)."""
+        if self._ring is not None:
+            self._native.clq_unclaim(self._ring)
+
+    def poll(self, value: int, event: Any, claimed: bool = False) -> None:
         """Wait briefly in the calling thread (``CL_POLL_US``, GIL released) for command
         ``value``: ``event``, a command's event of this queue that the caller keeps alive, or
         with None the repeat launch of that value (the ring finds its event by the tag); and
@@ -288,14 +313,18 @@ class CLQueue:
 
         What the poll took is reported even when an exception (a signal handler's, such as
         ``KeyboardInterrupt``) is raised as the call returns: it is read back from the ring."""
-        if self._ring is None or self._poll_ns <= 0:
+        if self._ring is None:
+            return
+        if self._poll_ns <= 0:
+            if claimed:
+                self.unclaim()
             return
         ring, lib, taken = self._ring, self._native, self._poll_out
         assert taken is not None  # (made with the ring)
         address = 0 if event is None else cdata_address(event)
         n = -1
         try:
-            n = lib.clq_poll(ring, address, -value, self._poll_ns, 256, *taken.arrays)
+            n = lib.clq_poll(ring, address, -value, self._poll_ns, claimed, 256, *taken.arrays)
         finally:
             if n < 0:  # (a signal handler raised before the result was stored: read it back)
                 n = lib.clq_polled(ring)
