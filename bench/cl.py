@@ -16,14 +16,21 @@ inflate them as it does wall time; the submitting thread's CPU rows count the en
 thread alone (pyopencl's loop; aiotinyrt's launches while the waiter is held). Prints one
 markdown table. Needs pyopencl for its rows (``pip install pyopencl``); tinygrad's rows appear
 when ``tinygrad.runtime.ops_cl`` imports.
+
+Two kinds of row bound the others: "PoCL from C" times the same launches from C with no Python
+at all (``cl_floor.c``, built with ``$CC`` or ``cc`` into a temporary library and called in
+this process), and the aiotinyrt rows "the driver's enqueue a no-op" time aiotinyrt's own share,
+its C launch pointed at a stand-in for ``clEnqueueNDRangeKernel`` that enqueues nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import queue
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -36,12 +43,12 @@ import anyio
 import numpy as np
 from _samples import Samples
 
-from aiotinyrt import Buffer, Device, dtypes
+from aiotinyrt import Buffer, Device, dtypes, native
 from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_build import BuildPool
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
-from aiotinyrt.driverqueue import DriverQueue
+from aiotinyrt.driverqueue import Completion, DriverQueue
 
 SRC = "__kernel void inc(__global int* out) { out[0] += 1; }"
 MiB = 1 << 20
@@ -94,6 +101,85 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
         s.add("pyopencl|copyout 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
 
 
+def floor_rows(s: Samples, n: int) -> None:
+    """PoCL with no Python at all (``cl_floor.c``'s ``floor_run``, in this process): the floor
+    under every other row."""
+    lib = _floor()
+    if lib is None:
+        return
+    out = (ctypes.c_double * 3)()
+    m = max(n // 20, 200)
+    code = lib.floor_run(n, m, out)
+    if code != 0:
+        s.notes["PoCL from C"] = f"floor_run failed: {code}"
+        return
+    s.add("PoCL from C|pipelined launch (us)", out[0])
+    s.add("PoCL from C|pipelined launch, to the last completed (us)", out[1])
+    s.add("PoCL from C|round trip (us)", out[2])
+
+
+_floors: list[Any] = []
+
+
+def _floor() -> Any:
+    """``cl_floor.c`` built (``$CC``, else ``cc``) into a temporary shared library and loaded,
+    once; None (noted on the table) when it cannot be."""
+    if not _floors:
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cl_floor.c")
+        target = os.path.join(tempfile.mkdtemp(prefix="aiotinyrt-floor-"), "cl_floor.so")
+        cc = os.environ.get("CC", "cc")
+        try:
+            subprocess.run(
+                [cc, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", target, source, "-ldl"],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            lib = ctypes.CDLL(target)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            _floors.append(f"cannot build cl_floor.c with {cc}: {detail}")
+        else:
+            lib.floor_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+            _floors.append(lib)
+    return _floors[0] if not isinstance(_floors[0], str) else None
+
+
+async def stub_rows(s: Samples, dev: Any, prog: Any, buf: Buffer, n: int) -> None:
+    """aiotinyrt's own share of a repeat launch and of a round trip: the C launch configured
+    with ``cl_floor.c``'s ``stub_enqueue``, which enqueues nothing and hands back a user event
+    already complete (the ring, the gates, the report and the checkpoint all run as usual)."""
+    lib = _floor()
+    if lib is None:
+        return
+    cl, err = ocl.lib(), ffi.new("cl_int*")
+    done = cl.clCreateUserEvent(dev.context, err)
+    cl.clSetUserEventStatus(done, ocl.COMPLETE)
+    ctypes.c_void_p.in_dll(lib, "stub_event").value = int(ffi.cast("uintptr_t", done))
+    retain = int(ffi.cast("uintptr_t", ffi.addressof(cl, "clRetainEvent")))
+    ctypes.c_void_p.in_dll(lib, "stub_retain").value = retain
+    entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, name))) for name in _LAUNCH_ENTRY_POINTS]
+    stub = ctypes.cast(lib.stub_enqueue, ctypes.c_void_p).value
+    await prog(buf)  # (the launch is cached: the next ones are the C repeat launch)
+    native.cl_launcher(Completion, stub, *entry[1:])
+    try:
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            prog(buf)
+        await prog(buf)
+        per = (time.perf_counter() - t) / n * 1e6
+        s.add("aiotinyrt|pipelined launch, the driver's enqueue a no-op (us)", per)
+        m = max(n // 20, 200)
+        t = time.perf_counter()
+        for _ in range(m):
+            await prog(buf)
+        s.add("aiotinyrt|round trip, the driver's enqueue a no-op (us)", (time.perf_counter() - t) / m * 1e6)
+    finally:
+        native.cl_launcher(Completion, *entry)
+    cl.clReleaseEvent(done)
+
+
+_LAUNCH_ENTRY_POINTS = ("clEnqueueNDRangeKernel", "clReleaseEvent", "clWaitForEvents")
 _tiny: list[Any] = []
 
 
@@ -159,6 +245,7 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
         driver._poll_ns = budget
     await hop_rows(s, prog, buf, m)
     await batch_rows(s, dev, prog, buf, n)
+    await stub_rows(s, dev, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
     for _ in range(COPIES):
@@ -515,6 +602,7 @@ def main() -> None:
     for _ in range(args.reps):
         if args.only != "compile":
             pyopencl_rows(s, args.launches, nbytes)
+            floor_rows(s, args.launches)
             tinygrad_rows(s, args.launches)
             anyio.run(aiotinyrt_rows, s, args.launches, nbytes)
             completion_rows(s, args.launches // 4)
@@ -528,6 +616,8 @@ def main() -> None:
     for key in s.values:
         side, what = key.split("|")
         print(f"| {side} | {what} | {s.median(key):.2f} |")
+    if _floors and isinstance(_floors[0], str):
+        s.notes["PoCL from C"] = _floors[0]
     for side, note in s.notes.items():
         print(f"| {side} | - | {note} |")
 
