@@ -521,3 +521,29 @@ async def test_an_await_cancelled_at_its_checkpoint_gives_its_claim_up(
     assert await anyio.to_thread.run_sync(done.wait, 30)  # (a claim left would hold it a minute)
     assert (await out.numpy())[0] == 1
     await out.free()
+
+
+async def test_a_claim_left_past_its_time_counts_no_more_at_the_next_claim(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim nobody ends (its caller raised before its poll) stops counting once its time
+    passed: the next claim finds it gone, so the waiter's holds and the count stay right."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    monkeypatch.setattr(cl_queue, "_CLAIM_NS", 1000)
+    timeline = queue.timeline
+    assert timeline.claim is not None
+    left = prog(out)
+    assert timeline.claim(left.value)  # (never polled)
+    done = threading.Event()
+    timeline.add_waiter(left.value, done.set, internal=True)
+    assert await anyio.to_thread.run_sync(done.wait, 30)
+    assert driver._native.clq_claims(driver._ring) == 1
+    sig = prog(out)
+    assert timeline.claim(sig.value)
+    assert driver._native.clq_claims(driver._ring) == 1
+    timeline.poll(sig.value, True)
+    assert driver._native.clq_claims(driver._ring) == 0
+    with anyio.fail_after(30):
+        await sig
+    await out.free()

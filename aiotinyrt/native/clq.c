@@ -40,7 +40,11 @@
    (`taking`) until its caller has reported them (clq_reported), so the takers' reports and
    the caller's per-command records stay in ring order; a waiting poller has priority (the
    waiter ends a hold for it and leaves the events it woke for to it), and clq_poll takes no
-   urgent event (a Python command runs on the waiter).
+   urgent event (a Python command runs on the waiter). A caller that must do something else
+   first (the loop thread's checkpoint, which every await makes) claims the command
+   (clq_claim): its batch goes to the device, and until the caller's clq_poll (or clq_unclaim)
+   ends the claim, or its claim_due passes, the waiter leaves completed events to it as to a
+   waiting poller, so the checkpoint runs while the device runs the command.
 
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
@@ -547,6 +551,11 @@ int clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
     pthread_mutex_lock(&q->lock);
     int found = clq_pollable(q, (cl_event)event_address, tag) >= 0;
     if (found) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (q->claims && !clq_before(&now, &q->claim_due))
+            q->claims = 0; /* (claims past their time count no more: one left by a caller that
+                              raised before its poll is forgotten here) */
         if (!q->claims || clq_before(&q->claim_due, &due)) q->claim_due = due;
         q->claims++;
         clq_open_locked(q); /* (the waiter needs no wake-up: it leaves the command to the caller) */
