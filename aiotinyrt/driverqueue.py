@@ -137,14 +137,15 @@ class Driver(Protocol):
         task registers a waiter (``Timeline.poll``). It must return promptly whatever happens:
         the thread is an event loop's.
 
-        A driver with ``poll`` may offer ``claim(value, event) -> bool`` and ``unclaim()`` too:
-        a caller about to poll after doing something else first (the awaiting task's checkpoint)
-        claims the command: it goes to the device now (its batch, if held back, too) and the
-        driver leaves its completion for that caller's ``poll(value, event, claimed=True)``
-        for a short while, so it is reported from the awaiting thread. False: nothing claimed
-        (poll as usual). Each claim ends with one such poll, or ``unclaim()`` when the caller
-        gives up (its wait was cancelled); the queue's timeline offers them as
-        ``Timeline.claim`` and ``Timeline.unclaim``.
+        A driver with ``poll`` may offer ``claim(value, event) -> int`` and ``unclaim(claim)``
+        too: a caller about to poll after doing something else first (the awaiting task's
+        checkpoint) claims the command: it goes to the device now (its batch, if held back,
+        too) and the driver leaves its completion for that caller's ``poll(value, event,
+        claim)`` for a short while, so it is reported from the awaiting thread. The claim's
+        number (positive), or 0: nothing claimed (poll as usual, with two arguments). Each
+        claim ends with one such poll, or ``unclaim(claim)`` when the caller gives up (its wait
+        was cancelled); the queue's timeline offers them as ``Timeline.claim`` and
+        ``Timeline.unclaim``.
 
         A driver that launches commands itself (see "Commands a driver launches itself" in the
         module docstring) offers ``find(value)``: the event of such a pending command, a
@@ -201,10 +202,10 @@ class DriverQueue:
         #: the driver's ``find``, if it offers one (see :meth:`_event`)
         self._find: Callable[[int], object] | None = getattr(driver, "find", None)
         #: the driver's ``poll``, if it offers one (see ``Driver.poll``)
-        self._driver_poll: Callable[[int, object, bool], None] | None = getattr(driver, "poll", None)
+        self._driver_poll: Callable[..., None] | None = getattr(driver, "poll", None)
         #: the driver's ``claim``, if it offers one with ``poll`` (see ``Driver.poll``)
-        self._driver_claim: Callable[[int, object], bool] | None = getattr(driver, "claim", None)
-        unclaim: Callable[[], None] | None = getattr(driver, "unclaim", None)
+        self._driver_claim: Callable[[int, object], int] | None = getattr(driver, "claim", None)
+        unclaim: Callable[[int], None] | None = getattr(driver, "unclaim", None)
         if self._driver_poll is not None:
             self.timeline.poll = self._poll
             if self._driver_claim is not None and unclaim is not None:
@@ -332,17 +333,25 @@ class DriverQueue:
             event = self._find(value)
         return event
 
-    def _poll(self, value: int, claimed: bool = False) -> None:
+    def _poll(self, value: int, claim: int = 0) -> None:
         """The timeline's ``poll``: the driver's brief wait for command ``value`` in this
-        thread (see ``Driver.poll``), with its event if the hand-over kept one; ``claimed``:
-        it ends this thread's :meth:`_claim` of it."""
-        if self._driver_poll is not None:
-            self._driver_poll(value, self._events.get(value), claimed)  # (held here: the wait reads it)
+        thread (see ``Driver.poll``), with its event if the hand-over kept one; ``claim``: the
+        number of this thread's :meth:`_claim` of it, which the poll ends (0: none)."""
+        poll = self._driver_poll
+        if poll is None:
+            return
+        event = self._events.get(value)  # (held here: the wait reads it)
+        if claim:
+            poll(value, event, claim)
+        else:  # (a driver without claims takes two arguments)
+            poll(value, event)
 
-    def _claim(self, value: int) -> bool:
-        """The timeline's ``claim``: the driver's claim of command ``value`` for a poll of this
-        thread to come (see ``Driver.poll``)."""
-        return self._driver_claim is not None and self._driver_claim(value, self._events.get(value))
+    def _claim(self, value: int) -> int:
+        """The timeline's ``claim``: the number of the driver's claim of command ``value`` for
+        a poll of this thread to come, or 0 (see ``Driver.poll``)."""
+        if self._driver_claim is None:
+            return 0
+        return self._driver_claim(value, self._events.get(value))
 
     def _flush(self) -> None:
         """Hand over held-back commands whose dependencies completed (any thread)."""

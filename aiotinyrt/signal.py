@@ -185,10 +185,11 @@ class Timeline:
         #: a driver-run queue's brief wait for command ``value`` in the awaiting thread, which
         #: completes it there if it completes meanwhile (``Driver.poll``); None: no such wait
         self.poll: Callable[..., None] | None = None
-        #: a driver-run queue's claim of command ``value`` for a ``poll(value, True)`` of this
-        #: thread after a checkpoint (True: claimed; ``unclaim()`` gives up), if it offers one
-        self.claim: Callable[[int], bool] | None = None
-        self.unclaim: Callable[[], None] | None = None
+        #: a driver-run queue's claim of command ``value`` for a ``poll(value, claim)`` of this
+        #: thread after a checkpoint (the claim's number, 0: none; ``unclaim(claim)`` gives it
+        #: up), if it offers one
+        self.claim: Callable[[int], int] | None = None
+        self.unclaim: Callable[[int], None] | None = None
 
     def __repr__(self) -> str:
         return f"<Timeline {self.device}/{self.name} completed={self.completed} submitted={self.submitted}>"
@@ -490,18 +491,18 @@ class Signal:
         timeline, value = self.timeline, self.value
         checked = False  # (the checkpoint made)
         if timeline.completed < value and timeline.poll is not None:  # a driver-run queue
-            claim = timeline.claim
-            if claim is not None and claim(value):
+            claim = 0 if timeline.claim is None else timeline.claim(value)
+            if claim:
                 # The checkpoint first, while the device runs the command (the claim sent it),
                 # then the poll that ends the claim: the waiter thread leaves it to this poll
                 try:
                     await anyio.lowlevel.checkpoint()
                 except BaseException:
                     assert timeline.unclaim is not None
-                    timeline.unclaim()
+                    timeline.unclaim(claim)
                     raise
                 checked = True
-                timeline.poll(value, True)
+                timeline.poll(value, claim)
             else:
                 timeline.poll(value)  # (see Timeline.poll)
         if timeline.completed < value and timeline._lib is not None and _POLL_S > 0:

@@ -11,11 +11,13 @@
              drops them), microseconds per launch;
      out[1]: the same n launches to the last one's completion (clFinish), per launch;
      out[2]: the median of m round trips (enqueue, then clWaitForEvents), microseconds.
-   Returns 0, or the first OpenCL error code met (or -1000 when the loader is missing).
+   Returns 0, or the first OpenCL error code met (-1000: the loader or an entry point is
+   missing; -1001: n < 1 or m < 1). What it made is released either way.
 
    stub_enqueue: clEnqueueNDRangeKernel's signature; it enqueues nothing and hands back a
    reference to stub_event (set by the caller to a user event already complete, along with
-   stub_retain, clRetainEvent's address). */
+   stub_retain, clRetainEvent's address). Every launch then hands the same event to the ring,
+   which real launches never do; the ring's work per event is the same. */
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -74,6 +76,7 @@ typedef cl_int (*clReleaseEvent_t)(handle);
 typedef cl_int (*clReleaseObject_t)(handle);
 
 int floor_run(int n, int m, double *out) {
+    if (n < 1 || m < 1) return -1001;
     void *loader = dlopen("libOpenCL.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!loader) return -1000;
     LOAD(clGetPlatformIDs)
@@ -96,20 +99,18 @@ int floor_run(int n, int m, double *out) {
     clReleaseObject_t release_context = (clReleaseObject_t)(uintptr_t)dlsym(loader, "clReleaseContext");
     if (!release_mem || !release_kernel || !release_program || !release_queue || !release_context) return -1000;
 
-    handle platform, device;
+    handle platform, device, context = NULL;
     cl_int err = clGetPlatformIDs(1, &platform, NULL);
     if (!err) err = clGetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, 1, &device, NULL);
-    if (err) return err;
-    handle context = clCreateContext(NULL, 1, &device, NULL, NULL, &err);
-    if (err) return err;
-    handle queue = clCreateCommandQueue(context, device, CL_QUEUE_PROFILING_ENABLE, &err);
+    if (!err) context = clCreateContext(NULL, 1, &device, NULL, NULL, &err);
+    handle queue = err ? NULL : clCreateCommandQueue(context, device, CL_QUEUE_PROFILING_ENABLE, &err);
     const char *source = "__kernel void inc(__global int* out) { out[0] += 1; }";
     handle program = err ? NULL : clCreateProgramWithSource(context, 1, &source, NULL, &err);
     if (!err) err = clBuildProgram(program, 1, &device, NULL, NULL, NULL);
     handle kernel = err ? NULL : clCreateKernel(program, "inc", &err);
     handle mem = err ? NULL : clCreateBuffer(context, CL_MEM_READ_WRITE, 4, NULL, &err);
     if (!err) err = clSetKernelArg(kernel, 0, sizeof mem, &mem);
-    double *trips = err ? NULL : malloc((size_t)(m > 0 ? m : 1) * sizeof *trips);
+    double *trips = err ? NULL : malloc((size_t)m * sizeof *trips);
     if (!err && !trips) err = -6; /* CL_OUT_OF_HOST_MEMORY */
     const size_t global = 1;
     if (!err) {
@@ -135,7 +136,7 @@ int floor_run(int n, int m, double *out) {
         }
         trips[i] = (now() - start) * 1e6;
     }
-    if (!err && m > 0) {
+    if (!err) {
         qsort(trips, (size_t)m, sizeof *trips, by_value);
         out[2] = trips[m / 2];
     }
@@ -144,6 +145,6 @@ int floor_run(int n, int m, double *out) {
     if (kernel) release_kernel(kernel);
     if (program) release_program(program);
     if (queue) release_queue(queue);
-    release_context(context);
+    if (context) release_context(context);
     return err;
 }

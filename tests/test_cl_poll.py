@@ -28,6 +28,14 @@ INC = "__kernel void inc(__global int* out) { out[0] += 1; }"
 MINUTE_US = 60_000_000
 
 
+@pytest.fixture(autouse=True)
+def _claims_last_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An await's claim holds for a minute here (a test that times it sets its own): the
+    checkpoint between the claim and the poll may take longer than the 1 ms default on a busy
+    machine, and the waiter would then report what these tests expect the awaiting thread to."""
+    monkeypatch.setattr(cl_queue, "_CLAIM_NS", MINUTE_US * 1000)
+
+
 @pytest.fixture
 async def ring() -> AsyncIterator[tuple[CLDevice, DriverQueue, CLQueue]]:
     """CL, its compute queue and that queue's driver (skipped without the native ring); the
@@ -124,8 +132,8 @@ async def test_a_poll_returns_after_its_budget_while_its_command_waits_for_a_pyt
     polls: list[bool] = []
     real_poll = driver.poll
 
-    def poll(value: int, event: Any, claimed: bool = False) -> None:
-        real_poll(value, event, claimed)
+    def poll(value: int, event: Any, claim: int = 0) -> None:
+        real_poll(value, event, claim)
         polls.append(go.is_set())  # (returned while the Python command still held the queue)
 
     monkeypatch.setattr(queue, "_driver_poll", poll)
@@ -407,18 +415,18 @@ class _ClaimLog:
         checkpoint = anyio.lowlevel.checkpoint
         assert claim is not None and unclaim is not None and poll is not None
 
-        def logged_claim(value: int) -> bool:
+        def logged_claim(value: int) -> int:
             got = claim(value)
-            self.calls.append(f"claim {got}")
+            self.calls.append(f"claim {bool(got)}")
             return got
 
-        def logged_unclaim() -> None:
+        def logged_unclaim(number: int) -> None:
             self.calls.append("unclaim")
-            unclaim()
+            unclaim(number)
 
-        def logged_poll(value: int, claimed: bool = False) -> None:
-            self.calls.append("poll claimed" if claimed else "poll")
-            poll(value, claimed)
+        def logged_poll(value: int, number: int = 0) -> None:
+            self.calls.append("poll claimed" if number else "poll")
+            poll(value, number)
 
         async def logged_checkpoint() -> None:
             self.calls.append("checkpoint")
@@ -457,11 +465,12 @@ async def test_the_waiter_leaves_a_claimed_command_to_the_poll_even_when_somebod
     reports nothing for 50 ms after its completion; the claimed poll reports it, here."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
-    monkeypatch.setattr(cl_queue, "_CLAIM_NS", MINUTE_US * 1000)
     reports = _Reports(monkeypatch)
     timeline = queue.timeline
     sig = prog(out)
-    assert timeline.claim is not None and timeline.claim(sig.value)
+    assert timeline.claim is not None
+    claim = timeline.claim(sig.value)
+    assert claim
     woken = threading.Event()
     timeline.add_waiter(sig.value, woken.set, internal=True)  # (wake_at: somebody waits)
     event = queue._event(sig.value)
@@ -472,7 +481,7 @@ async def test_the_waiter_leaves_a_claimed_command_to_the_poll_even_when_somebod
     assert status[0] == 0
     assert not woken.wait(0.05)  # (the GIL is free meanwhile: the waiter could have reported)
     assert reports.values == [] and not sig.done()
-    timeline.poll(sig.value, True)
+    timeline.poll(sig.value, claim)
     assert sig.done() and woken.is_set()
     assert reports.threads == [threading.get_ident()] and reports.values == [sig.value]
     await out.free()
@@ -489,13 +498,15 @@ async def test_a_claim_nobody_polls_for_ends_after_its_time_and_the_waiter_repor
     reports = _Reports(monkeypatch)
     timeline = queue.timeline
     sig = prog(out)
-    assert timeline.claim is not None and timeline.claim(sig.value)
+    assert timeline.claim is not None
+    claim = timeline.claim(sig.value)
+    assert claim
     done = threading.Event()
     timeline.add_waiter(sig.value, done.set, internal=True)
     assert await anyio.to_thread.run_sync(done.wait, 30)
     assert reports.threads != [threading.get_ident()] and reports.values == [sig.value]
     assert driver._native.clq_claims(driver._ring) == 1
-    timeline.poll(sig.value, True)
+    timeline.poll(sig.value, claim)
     assert reports.values == [sig.value] and driver._native.clq_claims(driver._ring) == 0
     await out.free()
 
@@ -508,7 +519,6 @@ async def test_an_await_cancelled_at_its_checkpoint_gives_its_claim_up(
     the work."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
-    monkeypatch.setattr(cl_queue, "_CLAIM_NS", MINUTE_US * 1000)
     log = _ClaimLog(queue, monkeypatch)
     sig = prog(out)
     with anyio.CancelScope() as scope:
@@ -526,24 +536,53 @@ async def test_an_await_cancelled_at_its_checkpoint_gives_its_claim_up(
 async def test_a_claim_left_past_its_time_counts_no_more_at_the_next_claim(
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A claim nobody ends (its caller raised before its poll) stops counting once its time
-    passed: the next claim finds it gone, so the waiter's holds and the count stay right."""
+    """A claim nobody ends in time (its caller raised before its poll, or polls late) stops
+    counting once its time passed: the next claim finds it gone, and its late poll does not end
+    the newer claim, which still keeps the waiter off."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     monkeypatch.setattr(cl_queue, "_CLAIM_NS", 1000)
     timeline = queue.timeline
     assert timeline.claim is not None
     left = prog(out)
-    assert timeline.claim(left.value)  # (never polled)
+    late = timeline.claim(left.value)  # (polled only after the next claim)
+    assert late
     done = threading.Event()
     timeline.add_waiter(left.value, done.set, internal=True)
     assert await anyio.to_thread.run_sync(done.wait, 30)
     assert driver._native.clq_claims(driver._ring) == 1
+    monkeypatch.setattr(cl_queue, "_CLAIM_NS", MINUTE_US * 1000)
     sig = prog(out)
-    assert timeline.claim(sig.value)
-    assert driver._native.clq_claims(driver._ring) == 1
-    timeline.poll(sig.value, True)
+    claim = timeline.claim(sig.value)
+    assert claim and driver._native.clq_claims(driver._ring) == 1
+    timeline.poll(left.value, late)
+    assert driver._native.clq_claims(driver._ring) == 1  # (the late poll ended nothing)
+    timeline.poll(sig.value, claim)
     assert driver._native.clq_claims(driver._ring) == 0
     with anyio.fail_after(30):
         await sig
+    await out.free()
+
+
+async def test_a_claim_given_up_sends_the_waiter_on_at_once(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """The waiter times the launch's gate (a minute); an await claims the launch (the gate is
+    set: it runs) and is cancelled at its checkpoint: giving the claim up wakes the waiter,
+    which reports the command at once, not when the gate's minute is up. Nobody waits for it
+    (a waiter registered would wake the waiter itself): ``done()`` is polled."""
+    dev, _, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    sig = prog(out)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await sig
+
+    def seen_done() -> bool:
+        deadline = time.monotonic() + 20
+        while not sig.done() and time.monotonic() < deadline:
+            time.sleep(0.001)  # (a poll of done(), as a caller without an await makes)
+        return sig.done()
+
+    assert await anyio.to_thread.run_sync(seen_done)
     await out.free()

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
 import pytest
 
 from aiotinyrt import DeviceError, Signal
@@ -250,3 +251,28 @@ def test_a_failure_after_a_run_in_the_same_pass_leaves_the_run_successful() -> N
     assert all(s.error() is None for s in run)
     assert failing.error() is owner._error and after.error() is owner._error
     assert [(a, b) for a, b, _ in queue.timeline._failures] == [(4, 5)]  # (in value order)
+
+
+class Polling(Manual):
+    """A driver that offers ``poll(value, event)`` and no claim (Driver's docstring allows it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls: list[tuple[int, object]] = []
+
+    def poll(self, value: int, event: object) -> None:
+        self.polls.append((value, event))
+        self.complete(value - 1)  # (its command completes while it is polled)
+
+
+@pytest.mark.anyio
+async def test_a_driver_with_a_poll_and_no_claim_is_polled_with_two_arguments() -> None:
+    """Claims are optional: an await on a queue whose driver polls but does not claim polls it
+    with the command's value and event alone, and finds the command done."""
+    driver = Polling()
+    queue = DriverQueue(Owner(), "polled", driver)
+    assert queue.timeline.poll is not None and queue.timeline.claim is None
+    sig = queue.submit(nothing, ())
+    with anyio.fail_after(30):
+        assert await sig == 0.001
+    assert [value for value, _ in driver.polls] == [sig.value]

@@ -537,6 +537,8 @@ def test_the_native_lock_is_reentrant_and_owned_by_one_thread() -> None:
         lock.acquire(False, 1.0)
     with pytest.raises(OverflowError, match="too large"):  # (as RLock's)
         lock.acquire(timeout=1e300)
+    with pytest.raises(ValueError, match="NaN"):  # (as RLock's)
+        lock.acquire(timeout=float("nan"))
 
 
 def test_a_blocking_acquire_of_the_native_lock_lets_the_gil_go_until_it_is_released() -> None:

@@ -289,42 +289,45 @@ class CLQueue:
             return None
         return ffi.gc(ffi.cast("cl_event", cdata_address(address)), ocl.lib().clReleaseEvent)
 
-    def claim(self, value: int, event: Any) -> bool:
+    def claim(self, value: int, event: Any) -> int:
         """Claim command ``value`` (``event`` as :meth:`poll`'s) for a poll of this thread to
         come, after its checkpoint (see ``Driver.poll``): its batch goes to the device now, and
-        the waiter thread leaves what completes to that poll for ``_CLAIM_NS`` at most."""
+        the waiter thread leaves what completes to that poll for ``_CLAIM_NS`` at most. The
+        claim's number, or 0 (nothing claimed)."""
         if self._ring is None or self._poll_ns <= 0:
-            return False
+            return 0
         address = 0 if event is None else cdata_address(event)
-        return bool(self._native.clq_claim(self._ring, address, -value, _CLAIM_NS))
+        return int(self._native.clq_claim(self._ring, address, -value, _CLAIM_NS))
 
-    def unclaim(self) -> None:
-        """End a claim that no poll ends (the awaiting task was cancelled at its checkpoint)."""
+    def unclaim(self, claim: int) -> None:
+        """End claim number ``claim``, which no poll ends (its awaiting task was cancelled at
+        its checkpoint)."""
         if self._ring is not None:
-            self._native.clq_unclaim(self._ring)
+            self._native.clq_unclaim(self._ring, claim)
 
-    def poll(self, value: int, event: Any, claimed: bool = False) -> None:
+    def poll(self, value: int, event: Any, claim: int = 0) -> None:
         """Wait briefly in the calling thread (``CL_POLL_US``, GIL released) for command
         ``value``: ``event``, a command's event of this queue that the caller keeps alive, or
         with None the repeat launch of that value (the ring finds its event by the tag); and
         report it and the completed commands before it from this thread if it completes
         meanwhile (clq.c, "Two takers"); nothing without the native ring or when the waiter
-        thread reports it.
+        thread reports it. ``claim``: the number of this thread's :meth:`claim` of the
+        command, which the poll ends (0: none).
 
         What the poll took is reported even when an exception (a signal handler's, such as
         ``KeyboardInterrupt``) is raised as the call returns: it is read back from the ring."""
         if self._ring is None:
             return
         if self._poll_ns <= 0:
-            if claimed:
-                self.unclaim()
+            if claim:
+                self.unclaim(claim)
             return
         ring, lib, taken = self._ring, self._native, self._poll_out
         assert taken is not None  # (made with the ring)
         address = 0 if event is None else cdata_address(event)
         n = -1
         try:
-            n = lib.clq_poll(ring, address, -value, self._poll_ns, claimed, 256, *taken.arrays)
+            n = lib.clq_poll(ring, address, -value, self._poll_ns, claim, 256, *taken.arrays)
         finally:
             if n < 0:  # (a signal handler raised before the result was stored: read it back)
                 n = lib.clq_polled(ring)

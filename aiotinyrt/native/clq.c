@@ -44,7 +44,8 @@
    first (the loop thread's checkpoint, which every await makes) claims the command
    (clq_claim): its batch goes to the device, and until the caller's clq_poll (or clq_unclaim)
    ends the claim, or its claim_due passes, the waiter leaves completed events to it as to a
-   waiting poller, so the checkpoint runs while the device runs the command.
+   waiting poller, so the checkpoint runs while the device runs the command. Claims are
+   numbered, so that ending one that ran out of time (a poll that came late) is a no-op.
 
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
@@ -93,6 +94,8 @@ struct clq {
     int polled;           /* the events the token's poller took (its thread: poll_owner) */
     int claims;           /* callers about to poll (clq_claim): the waiter leaves events to them ... */
     struct timespec claim_due; /* ... until then at the latest */
+    int64_t claim_last;   /* the newest claim's number (clq_claim returns it) ... */
+    int64_t claim_floor;  /* ... and the newest one no longer counted (it ran out of time) */
     pthread_t poll_owner;
     struct slot *ring; /* a circular buffer of cap slots: count events from head */
     size_t cap, head, count;
@@ -338,18 +341,18 @@ static int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
 /* The waiter's wait for the token after its wait for the oldest event (caller holds the lock):
    while somebody takes events, or a poller waits for the token or its event, or a caller is
    about to poll (clq_claim, until its claim_due), unless the oldest event is urgent (no poller
-   takes it). */
+   takes it; for a claim, the oldest event in the ring now: a poller may have taken that one). */
 static void clq_wait_token(clq_t *q, int urgent) {
     for (;;) {
         if (q->taking || (q->poller && !urgent)) {
             pthread_cond_wait(&q->token, &q->lock);
             continue;
         }
-        if (!q->claims || urgent) return;
-        struct timespec now;
+        if (!q->claims || urgent || (q->count > 0 && q->ring[q->head].urgent)) return;
+        struct timespec now, due = q->claim_due; /* (a copy: clq_claim may move it meanwhile) */
         clock_gettime(CLOCK_MONOTONIC, &now);
-        if (!clq_before(&now, &q->claim_due)) return;
-        pthread_cond_timedwait(&q->token, &q->lock, &q->claim_due);
+        if (!clq_before(&now, &due)) return;
+        pthread_cond_timedwait(&q->token, &q->lock, &due);
     }
 }
 
@@ -541,35 +544,46 @@ static long clq_pollable(clq_t *q, cl_event event, int64_t tag) {
 /* A caller about to poll for a command (as clq_poll: its event at `event_address`, or with 0
    the one pushed under `tag`) after something else first (the loop thread's checkpoint): the
    command's batch goes to the device now, and the waiter leaves completed events to the
-   caller's clq_poll (called with `claimed` 1) for `ns` at most. 1 claimed, or 0 (nothing done:
-   no such command the poll could wait for). Each claim ends with one clq_poll(claimed 1) or
-   clq_unclaim() (the caller gave up). */
-int clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
+   caller's clq_poll for `ns` at most. Returns the claim's number (positive: the caller hands it
+   to the clq_poll or the clq_unclaim that ends it, once), or 0 (nothing done: no such command
+   the poll could wait for). Claims are counted; once the latest one's time passed, the next
+   claim counts none of them any more (one whose caller raised before its poll ends there), and
+   ending one of those is a no-op, so a late poll never ends a newer claim. */
+int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
     if (clq_forked(q)) return 0;
-    struct timespec due;
+    struct timespec due, now;
     clq_after(&due, ns);
+    int64_t out = 0;
     pthread_mutex_lock(&q->lock);
-    int found = clq_pollable(q, (cl_event)event_address, tag) >= 0;
-    if (found) {
-        struct timespec now;
+    if (clq_pollable(q, (cl_event)event_address, tag) >= 0) {
         clock_gettime(CLOCK_MONOTONIC, &now);
-        if (q->claims && !clq_before(&now, &q->claim_due))
-            q->claims = 0; /* (claims past their time count no more: one left by a caller that
-                              raised before its poll is forgotten here) */
+        if (q->claims && !clq_before(&now, &q->claim_due)) {
+            q->claims = 0;
+            q->claim_floor = q->claim_last;
+        }
         if (!q->claims || clq_before(&q->claim_due, &due)) q->claim_due = due;
         q->claims++;
+        out = ++q->claim_last;
         clq_open_locked(q); /* (the waiter needs no wake-up: it leaves the command to the caller) */
     }
     pthread_mutex_unlock(&q->lock);
-    return found;
+    return out;
 }
 
-/* End a claim without polling (clq_claim). */
-void clq_unclaim(clq_t *q) {
+/* End claim `claim` (caller holds the lock): 1 if it still counted. */
+static int clq_end_claim(clq_t *q, int64_t claim) {
+    if (claim <= q->claim_floor || q->claims <= 0) return 0;
+    q->claims--;
+    return 1;
+}
+
+/* End claim `claim` without polling (its caller gave up): the waiter goes on at once. */
+void clq_unclaim(clq_t *q, int64_t claim) {
     if (clq_forked(q)) return;
     pthread_mutex_lock(&q->lock);
-    if (q->claims > 0) q->claims--;
+    clq_end_claim(q, claim);
     pthread_cond_broadcast(&q->token);
+    pthread_cond_signal(&q->more); /* (it may be timing a gate the claim set: it looks again) */
     pthread_mutex_unlock(&q->lock);
 }
 
@@ -581,15 +595,16 @@ void clq_unclaim(clq_t *q) {
    ring, at most `max` events, up to the first urgent one, as clq_wait() reports them. Returns
    the number taken (the caller reports them, then calls clq_reported), or 0 (nothing taken:
    the event did not complete in time, the waiter took it, or the prefix starts with an
-   urgent event; nothing to report). `claimed` 1: the caller's clq_claim() ends here. */
-int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int claimed, int max, int32_t *status,
+   urgent event; nothing to report). `claim`: the number of the caller's clq_claim() that ends
+   here, or 0. */
+int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t claim, int max, int32_t *status,
              double *seconds, int64_t *tags, void **objs) {
     cl_event event = (cl_event)event_address;
     if (clq_forked(q)) return 0;
     struct timespec due, now;
     clq_after(&due, ns);
     pthread_mutex_lock(&q->lock);
-    if (claimed && q->claims > 0) q->claims--; /* (a poll ends its claim: the token wait below decides) */
+    int claimed = claim && clq_end_claim(q, claim); /* (the token wait below decides meanwhile) */
     long ahead = max < 1 ? -1 : clq_pollable(q, event, tag);
     if (ahead < 0) {
         if (claimed) pthread_cond_broadcast(&q->token);
@@ -711,6 +726,7 @@ void *clq_find(clq_t *q, int64_t tag) {
 
 /* The claims no poll or clq_unclaim ended yet (tests). */
 int clq_claims(clq_t *q) {
+    if (clq_forked(q)) return 0;
     pthread_mutex_lock(&q->lock);
     int n = q->claims;
     pthread_mutex_unlock(&q->lock);

@@ -13,10 +13,10 @@ void clq_gating(clq_t *q, void *context, uintptr_t create_user, uintptr_t set_st
 void *clq_gate(clq_t *q);
 void clq_open(clq_t *q);
 int clq_gated(clq_t *q);
-int clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns);
-void clq_unclaim(clq_t *q);
+int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns);
+void clq_unclaim(clq_t *q, int64_t claim);
 int clq_claims(clq_t *q);
-int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int claimed, int max, int32_t *status,
+int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t claim, int max, int32_t *status,
              double *seconds, int64_t *tags, void **objs);
 int clq_polled(clq_t *q);
 void clq_reported(clq_t *q);

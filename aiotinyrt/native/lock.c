@@ -122,6 +122,10 @@ static PyObject *py_acquire(PyObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
         return NULL;
     }
+    if (timeout != timeout) { /* (as RLock's) */
+        PyErr_SetString(PyExc_ValueError, "Invalid value NaN (not a number)");
+        return NULL;
+    }
     if (timeout > (double)PY_TIMEOUT_MAX / 1e6) {
         PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
         return NULL;
