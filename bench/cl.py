@@ -268,7 +268,8 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
 
 async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
     """A round trip in two halves (medians of m): from the launch to the report of its
-    completion, and from the report to the awaiting task running again; and how many of the
+    completion (the await's checkpoint comes before the report: the claim's), and from the
+    report to the awaiting task running again; and how many of the
     reports the awaiting thread made itself (its poll, CLQueue.poll). A repeat launch made in
     C is reported with ``DriverQueue._report_run``, any other command with ``report``."""
     reported = [0.0]

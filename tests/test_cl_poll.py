@@ -586,3 +586,48 @@ async def test_a_claim_given_up_sends_the_waiter_on_at_once(
 
     assert await anyio.to_thread.run_sync(seen_done)
     await out.free()
+
+
+async def test_a_waiter_holding_a_batch_leaves_a_command_claimed_meanwhile_to_its_poll(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiter took a launch nobody waits for and holds it, looking for more every 250 us;
+    a second launch is claimed meanwhile and completes before its claimant polls: the waiter
+    returns what it holds without taking the claimed command, which the poll reports."""
+    dev, queue, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    driver.gate(0)  # (launches go to the device at once)
+    with anyio.fail_after(30):
+        await prog(out)  # (the next launches are repeat launches, made in C)
+    timeline, cl, status = queue.timeline, ocl.lib(), ffi.new("cl_int*")
+    assert timeline.claim is not None
+    taken_by_the_waiter = []
+    reports = _Reports(monkeypatch)
+    while len(taken_by_the_waiter) < 10:
+        held = prog(out)
+        event = queue._event(held.value)  # (the ring's until the waiter took it)
+        status[0] = 1
+        while event is not None and status[0] > 0:  # (completed: the waiter takes it and holds it)
+            assert cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, ffi.NULL) == 0
+        del event
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.0004:
+            pass  # (past the waiter's first look: it is inside its hold)
+        reports.values.clear()
+        sig = prog(out)
+        claim = timeline.claim(sig.value)
+        assert claim
+        event = queue._event(sig.value)
+        status[0] = 1
+        while event is not None and status[0] > 0:  # (completed before the claimant polls)
+            assert cl.clGetEventInfo(event, ocl.EVENT_COMMAND_EXECUTION_STATUS, 4, status, ffi.NULL) == 0
+        del event
+        await anyio.to_thread.run_sync(time.sleep, 0.01)  # (the waiter's turn: it could take it now)
+        taken_by_the_waiter.append(sig.value in reports.values)
+        timeline.poll(sig.value, claim)
+        with anyio.fail_after(30):
+            await sig
+    assert taken_by_the_waiter == [False] * 10
+    await out.free()

@@ -93,8 +93,9 @@ _GATE_ENTRY_POINTS = ("clCreateUserEvent", "clSetUserEventStatus")
 
 #: How long a claim (:meth:`CLQueue.claim`) keeps the waiter from reporting what completes: the
 #: claiming task's checkpoint takes ~10-20 us; a loop that runs other tasks for longer delays
-#: the reports of this queue's commands by this much at most, then the waiter reports them and
-#: the poll that ends the claim finds them done.
+#: the reports of this queue's commands by this much at most (or by the gate's time, when that
+#: is longer and the waiter was timing the gate the claim set), then the waiter reports them
+#: and the poll that ends the claim finds them done.
 _CLAIM_NS = 1_000_000
 
 

@@ -508,6 +508,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
         q->until = next;
         pthread_cond_timedwait(&q->more, &q->lock, &next);
         atomic_store(&q->polling, 0);
+        if (q->poller || q->claims) break; /* (what completed meanwhile is the poller's or claimant's) */
     }
     pthread_mutex_unlock(&q->lock);
     return done;
