@@ -538,7 +538,7 @@ async def test_a_claim_left_past_its_time_counts_no_more_at_the_next_claim(
 ) -> None:
     """A claim nobody ends in time (its caller raised before its poll, or polls late) stops
     counting once its time passed: the next claim finds it gone, and its late poll does not end
-    the newer claim, which still keeps the waiter off."""
+    the newer claim (the ring still counts it)."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     monkeypatch.setattr(cl_queue, "_CLAIM_NS", 1000)
