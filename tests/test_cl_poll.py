@@ -637,3 +637,28 @@ async def test_a_waiter_holding_a_batch_leaves_a_command_claimed_meanwhile_to_it
             await sig
     assert taken_by_the_waiter == [False] * 10
     await out.free()
+
+
+async def test_a_claim_left_does_not_hold_back_a_python_command_that_no_poll_takes(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """Two claims of one launch (two awaits of it, the second at its checkpoint for a minute)
+    and a Python command behind it: the first claimant's poll takes the launch; the waiter,
+    which the second claim would keep waiting, sees a Python command at the ring's head (no
+    poll takes one) and runs it at once."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    timeline = queue.timeline
+    sig, first = _claimed_launch(prog, out, timeline)
+    ran: list[int] = []
+    after = queue.submit(lambda: ran.append(threading.get_ident()), ())
+    assert timeline.claim is not None and timeline.unclaim is not None
+    second = timeline.claim(sig.value)
+    assert second
+    timeline.poll(sig.value, first)
+    assert sig.done() and driver._native.clq_claims(driver._ring) == 1
+    with anyio.fail_after(20):  # (the second claim would hold the waiter a minute)
+        await after
+    assert ran and ran[0] != threading.get_ident()
+    timeline.unclaim(second)
+    await out.free()
