@@ -14,8 +14,8 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 NATIVE = Path("aiotinyrt") / "native"
-SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
-HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h")
+SOURCES = ("hostq.c", "clq.c", "clq_poll.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
+HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h", "clq_internal.h")
 
 
 def source_digest() -> str:

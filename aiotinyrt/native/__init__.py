@@ -72,11 +72,12 @@ from aiotinyrt import cachedir
 from aiotinyrt.helpers import cache_path, debug_level, find_cc, get_logger, getenv, getenv_str
 
 _DIR = Path(__file__).parent
-#: The files of the library: the ring and run loop, a CL queue's completion ring (clq.c, used by
-#: aiotinyrt/backends/cl_queue.py), and the extension module's two files.
-_RING_SOURCES = ("hostq.c", "clq.c")
-_PY_SOURCES = ("hostq.c", "clq.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
-_HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h")
+#: The files of the library: the ring and run loop, a CL queue's completion ring (clq.c and its
+#: poller's side, clq_poll.c, used by aiotinyrt/backends/cl_queue.py), and the extension
+#: module's files.
+_RING_SOURCES = ("hostq.c", "clq.c", "clq_poll.c")
+_PY_SOURCES = ("hostq.c", "clq.c", "clq_poll.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
+_HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h", "clq_internal.h")
 #: The C flags of every build (setup.py's and the first-use one).
 CFLAGS = ("-O2", "-pthread", "-Wall", "-Wextra", "-Werror")
 SANITIZE_FLAGS = (

@@ -32,8 +32,9 @@
    most instead. An event still pending after that is waited for in the driver (a long kernel
    costs no wake-ups), and so is every event once somebody waits: reported at once.
 
-   Two takers (clq_poll). A caller about to wait for a command it just submitted (the loop
-   thread's `await` of a launch on an idle queue) may wait for it itself, briefly: it spins on
+   Two takers (clq_poll, in clq_poll.c). A caller about to wait for a command it just
+   submitted (the loop thread's `await` of a launch on an idle queue) may wait for it itself,
+   briefly: it spins on
    the command's event in clq_poll() and takes the completed prefix, as clq_wait() does, so
    the result reaches it without the two hand-overs between threads (driver to waiter, waiter
    to loop) that cost more than the kernel. Whoever takes events holds the ring's token
@@ -50,82 +51,13 @@
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
    needs neither OpenCL's headers nor its library at build time. */
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "clq.h"
-
-#define CLQ_NO_WAKE INT64_MAX /* clq_set_wake: nobody waits (aiotinyrt.native.NO_WAKE) */
-#define CLQ_WAITER 1          /* the token's holder: clq_wait's caller ... */
-#define CLQ_POLLER 2          /* ... or a clq_poll caller */
-
-typedef int32_t cl_int;
-typedef uint32_t cl_uint;
-typedef uint64_t cl_ulong;
-typedef void *cl_event;
-
-#define CL_EVENT_COMMAND_EXECUTION_STATUS 0x11D3
-#define CL_PROFILING_COMMAND_START 0x1282
-#define CL_PROFILING_COMMAND_END 0x1283
-
-typedef cl_int (*wait_fn)(cl_uint, const cl_event *);
-typedef cl_int (*info_fn)(cl_event, cl_uint, size_t, void *, size_t *);
-typedef cl_int (*ref_fn)(cl_event);
-typedef cl_event (*user_fn)(void *, cl_int *);
-typedef cl_int (*status_fn)(cl_event, cl_int);
-
-struct slot {
-    cl_event event;
-    int64_t tag; /* the caller's name for the command (its deque entry) */
-    int urgent;  /* the caller acts on its completion (a Python command): report it at once */
-    void *obj;   /* the caller's, handed back with the tag (clfast.c: a repeat launch's Signal) */
-};
-
-struct clq {
-    pthread_mutex_t lock;
-    pthread_cond_t more;
-    pthread_cond_t token; /* `taking` and `poller` went to 0 */
-    int taking;           /* who holds the token (see the top of the file): 0, CLQ_WAITER, CLQ_POLLER */
-    int poller;           /* a clq_poll() caller waits for the token or its event */
-    int polled;           /* the events the token's poller took (its thread: poll_owner) */
-    int claims;           /* callers about to poll (clq_claim): the waiter leaves events to them ... */
-    struct timespec claim_due; /* ... until then at the latest */
-    int64_t claim_last;   /* the newest claim's number (clq_claim returns it) ... */
-    int64_t claim_floor;  /* ... and the newest one no longer counted (it ran out of time) */
-    pthread_t poll_owner;
-    struct slot *ring; /* a circular buffer of cap slots: count events from head */
-    size_t cap, head, count;
-    int closed;
-    /* clq_wait() holds taken results in a timed wait (clq_set_wake wakes it), and the smallest
-       value a caller waits for (CLQ_NO_WAKE: none). Stored and then the other loaded, both
-       sequentially consistent: either the waiter sees the wake before it sleeps, or the setter
-       sees it polling and signals under the lock (which the waiter holds until it sleeps). */
-    _Atomic int polling;
-    _Atomic int64_t wake;
-    int idle;    /* the waiter waits (untimed) for an event to be handed over: a push wakes it */
-    size_t urgent_count; /* urgent slots in the ring */
-    cl_event looked_at;  /* the oldest event the waiter looked at while nobody waited ... */
-    int looks;           /* ... and how many times (see "Nobody waits" at the top) */
-    int blocked; /* the waiter is inside the driver's wait: it cannot time a gate */
-    struct timespec until; /* the end of the waiter's timed wait, while `polling` */
-    /* The open batch's gate (NULL: none; see the top of the file), set at gate_due at the
-       latest; `gated` tells clq_set_wake without the lock that there is one. */
-    cl_event gate;
-    struct timespec gate_due;
-    _Atomic int gated;
-    long gate_ns; /* 0: no gating */
-    void *context;
-    user_fn create_user;
-    status_fn set_status;
-    pid_t pid; /* the process that made it */
-    wait_fn wait;
-    info_fn event_info, profiling_info;
-    ref_fn retain, release;
-};
+#include "clq_internal.h"
 
 /* This process's id, kept by a fork handler: getpid() is a system call (glibc keeps no cache),
    and every enqueue asks (clq_gate) whether its ring is this process's. */
@@ -140,7 +72,7 @@ static void self_pid_init(void) {
 }
 
 /* 1 in a child forked after `q` was made (its waiter and the driver's threads are gone). */
-static int clq_forked(const clq_t *q) { return q->pid != atomic_load(&self_pid); }
+CLQ_HIDDEN int clq_forked(const clq_t *q) { return q->pid != atomic_load(&self_pid); }
 
 clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, uintptr_t retain,
                uintptr_t release) {
@@ -173,7 +105,7 @@ clq_t *clq_new(uintptr_t wait, uintptr_t event_info, uintptr_t profiling_info, u
 }
 
 /* Set the open batch's gate, if there is one (caller holds the lock). */
-static void clq_open_locked(clq_t *q) {
+CLQ_HIDDEN void clq_open_locked(clq_t *q) {
     cl_event g = q->gate;
     if (!g) return;
     q->gate = NULL;
@@ -257,7 +189,7 @@ int clq_hand(clq_t *q, void *event, int64_t tag, void *obj) { return clq_add(q, 
    it in the driver (see "Nobody waits" at the top). */
 #define CLQ_LOOKS 4
 
-static void clq_after(struct timespec *t, long ns) {
+CLQ_HIDDEN void clq_after(struct timespec *t, long ns) {
     clock_gettime(CLOCK_MONOTONIC, t);
     t->tv_sec += ns / 1000000000L;
     t->tv_nsec += ns % 1000000000L;
@@ -267,7 +199,7 @@ static void clq_after(struct timespec *t, long ns) {
     }
 }
 
-static int clq_before(const struct timespec *a, const struct timespec *b) {
+CLQ_HIDDEN int clq_before(const struct timespec *a, const struct timespec *b) {
     return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
 }
 
@@ -325,7 +257,7 @@ void *clq_gate(clq_t *q) {
 
 /* Read `ev`'s outcome into *status and *seconds: 1 if it completed (or reading it failed),
    0 if it has not completed yet. */
-static int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
+CLQ_HIDDEN int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds) {
     cl_int st = 0;
     cl_int code = q->event_info(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL);
     if (code == 0 && st > 0) return 0;
@@ -526,178 +458,6 @@ void clq_set_wake(clq_t *q, int64_t wake) {
     pthread_mutex_unlock(&q->lock);
 }
 
-/* How many commands may be ahead of one clq_poll() waits for on the device (fewer than this). */
-#define CLQ_POLL_AHEAD 4
-
-/* The index from the ring's head of the command `event` (or with NULL: pushed under `tag`) that
-   a poll may wait for: fewer than CLQ_POLL_AHEAD commands and no urgent one ahead of it; -1 if
-   none (caller holds the lock). */
-static long clq_pollable(clq_t *q, cl_event event, int64_t tag) {
-    size_t ahead = 0;
-    for (; ahead < q->count && ahead < CLQ_POLL_AHEAD; ahead++) {
-        struct slot *s = &q->ring[(q->head + ahead) % q->cap];
-        if (event ? s->event == event : s->tag == tag) return (long)ahead;
-        if (s->urgent) return -1;
-    }
-    return -1;
-}
-
-/* A caller about to poll for a command (as clq_poll: its event at `event_address`, or with 0
-   the one pushed under `tag`) after something else first (the loop thread's checkpoint): the
-   command's batch goes to the device now, and the waiter leaves completed events to the
-   caller's clq_poll for `ns` at most. Returns the claim's number (positive: the caller hands it
-   to the clq_poll or the clq_unclaim that ends it, once), or 0 (nothing done: no such command
-   the poll could wait for). Claims are counted; once the latest one's time passed, the next
-   claim counts none of them any more (one whose caller raised before its poll ends there), and
-   ending one of those is a no-op, so a late poll never ends a newer claim. */
-int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
-    if (clq_forked(q)) return 0;
-    struct timespec due, now;
-    clq_after(&due, ns);
-    int64_t out = 0;
-    pthread_mutex_lock(&q->lock);
-    if (clq_pollable(q, (cl_event)event_address, tag) >= 0) {
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if (q->claims && !clq_before(&now, &q->claim_due)) {
-            q->claims = 0;
-            q->claim_floor = q->claim_last;
-        }
-        if (!q->claims || clq_before(&q->claim_due, &due)) q->claim_due = due;
-        q->claims++;
-        out = ++q->claim_last;
-        clq_open_locked(q); /* (the waiter needs no wake-up: it leaves the command to the caller) */
-    }
-    pthread_mutex_unlock(&q->lock);
-    return out;
-}
-
-/* End claim `claim` (caller holds the lock): 1 if it still counted. */
-static int clq_end_claim(clq_t *q, int64_t claim) {
-    if (claim <= q->claim_floor || q->claims <= 0) return 0;
-    q->claims--;
-    return 1;
-}
-
-/* End claim `claim` without polling (its caller gave up): the waiter goes on at once. */
-void clq_unclaim(clq_t *q, int64_t claim) {
-    if (clq_forked(q)) return;
-    pthread_mutex_lock(&q->lock);
-    clq_end_claim(q, claim);
-    pthread_cond_broadcast(&q->token);
-    pthread_cond_signal(&q->more); /* (it may be timing a gate the claim set: it looks again) */
-    pthread_mutex_unlock(&q->lock);
-}
-
-/* The poller's side of two takers (see the top of the file): wait in the calling thread, at
-   most `ns`, for the event at `event_address` (a command's, handed over with clq_push, which
-   the caller keeps alive), or with `event_address` 0 for the event pushed under `tag`, with
-   fewer than CLQ_POLL_AHEAD commands ahead of it in the ring (any other returns 0 at once),
-   to complete, opening the gate of its batch first; then take the completed prefix of the
-   ring, at most `max` events, up to the first urgent one, as clq_wait() reports them. Returns
-   the number taken (the caller reports them, then calls clq_reported), or 0 (nothing taken:
-   the event did not complete in time, the waiter took it, or the prefix starts with an
-   urgent event; nothing to report). `claim`: the number of the caller's clq_claim() that ends
-   here, or 0. */
-int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t claim, int max, int32_t *status,
-             double *seconds, int64_t *tags, void **objs) {
-    cl_event event = (cl_event)event_address;
-    if (clq_forked(q)) return 0;
-    struct timespec due, now;
-    clq_after(&due, ns);
-    pthread_mutex_lock(&q->lock);
-    int claimed = claim && clq_end_claim(q, claim); /* (the token wait below decides meanwhile) */
-    long ahead = max < 1 ? -1 : clq_pollable(q, event, tag);
-    if (ahead < 0) {
-        if (claimed) pthread_cond_broadcast(&q->token);
-        pthread_mutex_unlock(&q->lock);
-        return 0;
-    }
-    int retained = !event;
-    if (retained) { /* (found by its tag: this call keeps it alive while it spins) */
-        event = q->ring[(q->head + (size_t)ahead) % q->cap].event;
-        q->retain(event);
-    }
-    q->poller++; /* (the waiter leaves the event it woke for to this call) */
-    clq_open_locked(q);
-    pthread_mutex_unlock(&q->lock);
-    cl_int st = 1;
-    int completed = 0;
-    for (;;) {
-        if (q->event_info(event, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL) != 0 || st <= 0) {
-            completed = 1;
-            break;
-        }
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if (!clq_before(&now, &due)) break;
-        sched_yield(); /* (the driver's worker may need this core: on 2 cores it often does) */
-    }
-    int done = 0;
-    pthread_mutex_lock(&q->lock);
-    if (completed) {
-        clq_after(&due, ns); /* (the waiter gives the token back once it reported its batch) */
-        while (q->taking) {
-            pthread_cond_signal(&q->more); /* (a waiter holding results ends its hold) */
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            if (!clq_before(&now, &due) || pthread_cond_timedwait(&q->token, &q->lock, &due) != 0) break;
-        }
-        if (!q->taking) {
-            q->taking = CLQ_POLLER;
-            cl_event taken = NULL; /* (released once its slot is gone, as in clq_wait) */
-            while (done < max && q->count > 0 && !q->ring[q->head].urgent) {
-                struct slot s = q->ring[q->head];
-                pthread_mutex_unlock(&q->lock);
-                if (taken) q->release(taken);
-                taken = NULL;
-                int completed_too = clq_read(q, s.event, &status[done], &seconds[done]);
-                pthread_mutex_lock(&q->lock);
-                if (!completed_too) break;
-                q->head = (q->head + 1) % q->cap;
-                q->count--;
-                taken = s.event;
-                if (s.event == q->looked_at) q->looked_at = NULL;
-                tags[done] = s.tag;
-                objs[done++] = s.obj;
-            }
-            if (taken) {
-                pthread_mutex_unlock(&q->lock);
-                q->release(taken);
-                pthread_mutex_lock(&q->lock);
-            }
-            if (done == 0) {
-                q->taking = 0;
-            } else {
-                q->polled = done;
-                q->poll_owner = pthread_self();
-            }
-        }
-    }
-    q->poller--;
-    pthread_cond_broadcast(&q->token);
-    pthread_mutex_unlock(&q->lock);
-    if (retained) q->release(event);
-    return done;
-}
-
-/* How many events the calling thread's last clq_poll() took that it has not reported yet
-   (clq_reported), 0 if none: its caller reports them even when an exception (a signal
-   handler's) came between the call and its own reading of the result. */
-int clq_polled(clq_t *q) {
-    if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
-    pthread_mutex_lock(&q->lock);
-    int n = q->polled && pthread_equal(q->poll_owner, pthread_self()) ? q->polled : 0;
-    pthread_mutex_unlock(&q->lock);
-    return n;
-}
-
-/* The events a clq_wait() or clq_poll() call took are reported: the token goes back. */
-void clq_reported(clq_t *q) {
-    pthread_mutex_lock(&q->lock);
-    q->polled = 0;
-    q->taking = 0;
-    pthread_cond_broadcast(&q->token);
-    pthread_mutex_unlock(&q->lock);
-}
-
 /* Set the open batch's gate now (a command of another queue waits for one of its commands). */
 void clq_open(clq_t *q) {
     if (!atomic_load(&q->gated) || clq_forked(q)) return;
@@ -723,15 +483,6 @@ void *clq_find(clq_t *q, int64_t tag) {
     }
     pthread_mutex_unlock(&q->lock);
     return out;
-}
-
-/* The claims no poll or clq_unclaim ended yet (tests). */
-int clq_claims(clq_t *q) {
-    if (clq_forked(q)) return 0;
-    pthread_mutex_lock(&q->lock);
-    int n = q->claims;
-    pthread_mutex_unlock(&q->lock);
-    return n;
 }
 
 /* 1 while a batch waits for its gate (tests, statistics). */
