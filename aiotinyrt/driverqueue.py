@@ -183,7 +183,9 @@ class DriverQueue:
         self._stopping = False
         self._closed_error: DeviceError | None = None
         self._submit_lock = native.rlock()  # (the CL repeat launch takes it from C: lock.c)
-        self._done_lock = threading.Lock()
+        #: (a lock.c Lock where the extension module is there: the CL poll's report in C tries
+        #: it without calling Python; see clfast.c, report_direct)
+        self._done_lock = native.rlock()
         self._next = 1
         self._commands: dict[int, Signal] = {}  # submitted, not completed yet
         self._events: dict[int, object] = {}  # the driver's event of each command it has

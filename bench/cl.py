@@ -243,7 +243,7 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
         s.add("aiotinyrt|round trip, no poll: the waiter reports (us)", (time.perf_counter() - t) / m * 1e6)
     finally:
         driver._poll_ns = budget
-    await hop_rows(s, prog, buf, m)
+    await hop_rows(s, driver, prog, buf, m)
     await batch_rows(s, dev, prog, buf, n)
     await stub_rows(s, dev, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
@@ -266,12 +266,13 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     await buf.free()
 
 
-async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
+async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> None:
     """A round trip in two halves (medians of m): from the launch to the report of its
     completion (the await's checkpoint comes before the report: the claim's), and from the
     report to the awaiting task running again; and how many of the
     reports the awaiting thread made itself (its poll, CLQueue.poll). A repeat launch made in
-    C is reported with ``DriverQueue._report_run``, any other command with ``report``."""
+    C is reported by the poll's C call (``cl_poll``) or with ``DriverQueue._report_run``, any
+    other command with ``report``."""
     reported = [0.0]
     report, run = cl_queue.report, DriverQueue._report_run
     here, by_awaiter = threading.get_ident(), [0]
@@ -288,8 +289,19 @@ async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
         stamp()
         run(queue, sigs)
 
+    if driver._settle is None:
+        driver._settle_args(driver._poll_out)
+    c_poll = driver._c_poll
+
+    def stamped_c_poll(*args: Any) -> tuple[int, int, int]:
+        out = c_poll(*args)
+        if out[2]:  # (it reported in C)
+            stamp()
+        return out  # type: ignore[no-any-return]
+
     cl_queue.report = stamped  # type: ignore[assignment]
     DriverQueue._report_run = stamped_run  # type: ignore[method-assign]
+    driver._c_poll = stamped_c_poll
     try:
         to_report, to_task = [], []
         for _ in range(m):
@@ -300,6 +312,7 @@ async def hop_rows(s: Samples, prog: Any, buf: Buffer, m: int) -> None:
     finally:
         cl_queue.report = report
         DriverQueue._report_run = run  # type: ignore[method-assign]
+        driver._c_poll = c_poll
     s.add("aiotinyrt|round trip: launch to the report (us)", statistics.median(to_report) * 1e6)
     s.add("aiotinyrt|round trip: the report to the task running (us)", statistics.median(to_task) * 1e6)
     s.add("aiotinyrt|round trip: reported by the awaiting thread (%)", by_awaiter[0] / m * 100)

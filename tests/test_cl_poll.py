@@ -6,6 +6,7 @@ command does."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -66,9 +67,10 @@ async def _inc_held_a_minute(dev: CLDevice, driver: CLQueue) -> tuple[Any, Any]:
 class _Reports:
     """The threads that report each CL batch and the values reported, in order: commands
     handed over (``cl_queue.report``) and repeat launches made in C (``_report_run`` and
-    ``_report_failed`` of the DriverQueue), which both takers call."""
+    ``_report_failed`` of the DriverQueue), which both takers call, and the repeat launches
+    ``driver``'s poll reported in C (``cl_poll``, clfast.c)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, driver: CLQueue) -> None:
         self.threads: list[int] = []
         self.values: list[int] = []
         report, run, failed = cl_queue.report, DriverQueue._report_run, DriverQueue._report_failed
@@ -88,6 +90,18 @@ class _Reports:
         monkeypatch.setattr(cl_queue, "report", spy)
         monkeypatch.setattr(DriverQueue, "_report_run", spy_run)
         monkeypatch.setattr(DriverQueue, "_report_failed", spy_failed)
+        assert driver._poll_out is not None
+        if driver._settle is None:
+            driver._settle_args(driver._poll_out)
+        c_poll = driver._c_poll
+
+        def spy_c_poll(*args: Any) -> tuple[int, int, int]:
+            n, first, last = c_poll(*args)
+            if last:
+                self._saw(range(first, last + 1))
+            return n, first, last
+
+        monkeypatch.setattr(driver, "_c_poll", spy_c_poll)
 
     def _saw(self, values: Any) -> None:
         self.threads.append(threading.get_ident())
@@ -101,7 +115,7 @@ async def test_an_await_of_a_launch_on_an_idle_queue_is_reported_by_the_awaiting
     and the budget is a minute: every completion is the loop thread's."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     first = queue.timeline.completed + 1
     with anyio.fail_after(30):
         for _ in range(20):
@@ -137,7 +151,7 @@ async def test_a_poll_returns_after_its_budget_while_its_command_waits_for_a_pyt
         polls.append(go.is_set())  # (returned while the Python command still held the queue)
 
     monkeypatch.setattr(queue, "_driver_poll", poll)
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     ahead = queue.submit(hold, ())
     sig = prog(out)
     async with anyio.create_task_group() as tg:
@@ -158,7 +172,7 @@ async def test_a_poll_leaves_a_python_command_after_its_launch_to_the_waiter_thr
 ) -> None:
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     ran_in: list[int] = []
     sig = prog(out)
     after = queue.submit(lambda: ran_in.append(threading.get_ident()), ())
@@ -188,7 +202,7 @@ async def test_a_failed_command_taken_by_a_poll_fails_its_signal_and_the_device(
 
     driver.gate(MINUTE_US)  # (the waiter cannot take the marker before the poll opens the gate)
     driver._poll_ns = MINUTE_US * 1000
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     sig = queue.submit(after_the_user_event, ())
     assert driver.gated()
     cl.clSetUserEventStatus(user, -5)
@@ -209,7 +223,7 @@ async def test_loop_threads_and_the_waiter_take_turns_without_losing_a_completio
     prog = await dev.program("inc", INC)
     out = await int_buffer(dev.name)
     await dev.synchronize()
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     first = queue.timeline.completed + 1
 
     async def round_trips(n: int) -> None:
@@ -366,7 +380,7 @@ async def test_a_poll_waits_its_whole_budget_for_the_token_even_past_a_second(
             time.sleep(0.001)
         go.set()
 
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     releaser = threading.Thread(target=release_once_polling)
     try:
         with anyio.fail_after(30):
@@ -463,7 +477,7 @@ async def test_an_await_claims_its_launch_makes_its_checkpoint_while_it_runs_the
     while it runs, and the poll that ends the claim reports it from the awaiting thread."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     log = _ClaimLog(queue, monkeypatch)
     sig = prog(out)
     assert driver.gated()
@@ -483,7 +497,7 @@ async def test_the_waiter_leaves_a_claimed_command_to_the_poll_even_when_somebod
     reports nothing for 50 ms after its completion; the claimed poll reports it, here."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     timeline = queue.timeline
     sig, claim = _claimed_launch(prog, out, timeline)
     woken = threading.Event()
@@ -507,7 +521,7 @@ async def test_a_claim_nobody_polls_for_ends_after_its_time_and_the_waiter_repor
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     monkeypatch.setattr(cl_queue, "_CLAIM_NS", 1000)
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     timeline = queue.timeline
     sig, claim = _claimed_launch(prog, out, timeline)
     done = threading.Event()
@@ -612,7 +626,7 @@ async def test_a_waiter_holding_a_batch_leaves_a_command_claimed_meanwhile_to_it
         await prog(out)  # (the next launches are repeat launches, made in C)
     timeline = queue.timeline
     taken_by_the_waiter = []
-    reports = _Reports(monkeypatch)
+    reports = _Reports(monkeypatch, queue.driver)
     for _ in range(100):  # (10 round trips that count)
         if len(taken_by_the_waiter) == 10:
             break
@@ -661,4 +675,166 @@ async def test_a_claim_left_does_not_hold_back_a_python_command_that_no_poll_tak
         await after
     assert ran and ran[0] != threading.get_ident()
     timeline.unclaim(second)
+    await out.free()
+
+
+async def _c_report(driver: CLQueue, prog: Any, out: Any) -> None:
+    """Skip unless ``driver``'s poll reports round trips in C (the extension module's
+    ``cl_poll``: without it, and so without repeat launches, every poll reports in Python);
+    launch ``prog(out)`` once, so that the next launches are repeat launches (made in C)."""
+    assert driver._poll_out is not None
+    if driver._settle is None:
+        driver._settle_args(driver._poll_out)
+    if not driver._settle:
+        pytest.skip("the extension module (aiotinyrt.native._hostq) is not built: no poll's report in C")
+    with anyio.fail_after(30):
+        await prog(out)
+
+
+class _PythonRuns:
+    """The runs of repeat launches reported by ``DriverQueue._report_run`` (Python's path)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.values: list[int] = []
+        run = DriverQueue._report_run
+
+        def spy(queue: DriverQueue, sigs: list[Any]) -> None:
+            self.values.extend(s.value for s in sigs)
+            run(queue, sigs)
+
+        monkeypatch.setattr(DriverQueue, "_report_run", spy)
+
+
+async def test_a_round_trip_is_reported_in_c_by_the_awaiting_thread(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing else to complete and nobody waiting on the timeline, the poll reports a
+    round trip's launch in the same C call: Python's report never runs, and the Signal ends
+    as Python's report leaves it (device time stored, what it held dropped, tracked)."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    reports = _Reports(monkeypatch, driver)
+    first = queue.timeline.completed + 1
+    sigs = []
+    with anyio.fail_after(30):
+        for _ in range(20):
+            sig = prog(out)
+            await sig
+            sigs.append(sig)
+    assert python_runs.values == []
+    assert reports.values == list(range(first, first + 20))
+    assert reports.threads == [threading.get_ident()] * 20
+    assert [s.value for s in sigs] == reports.values and queue._taken == first + 19
+    assert queue.timeline.completed == first + 19 and not queue._advancing
+    for sig in sigs:
+        assert sig.done() and sig.error() is None and isinstance(sig.result(), float)
+        assert sig._keep is None and sig._args is None and sig._fn is None and sig._deps is None
+        assert gc.is_tracked(sig)
+    assert (await out.numpy())[0] == 21
+    await out.free()
+
+
+async def test_a_round_trip_is_reported_in_python_when_a_waiter_of_the_timeline_is_due(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter of the timeline (another task's await, a deferred free) must be fired by the
+    report that reaches its value: the C report declines that one and Python's reports it,
+    firing the waiter before ``completed`` moves. A waiter for a later value does not stop
+    the C report. (Each waiter is registered once the await claimed its launch: the waiter
+    thread then leaves the launch to the poll.)"""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    timeline, claim = queue.timeline, queue.timeline.claim
+    assert claim is not None
+    first = timeline.completed + 1
+    fired: list[int] = []
+
+    def claim_then_wait(value: int) -> int:
+        number = claim(value)
+        timeline.add_waiter(first + 1, lambda: fired.append(timeline.completed), internal=True)
+        return number
+
+    monkeypatch.setattr(timeline, "claim", claim_then_wait)
+    with anyio.fail_after(30):
+        await prog(out)
+        assert python_runs.values == [] and fired == []  # (its C report: nobody waits for it yet)
+        await prog(out)
+    assert python_runs.values == [first + 1]
+    assert len(fired) == 2 and fired[0] == first  # (the first one fired before completed moved)
+    assert timeline.completed == first + 1 and timeline.pending_waiters() == 0
+    await out.free()
+
+
+async def test_a_round_trip_is_reported_in_python_while_another_thread_holds_the_done_lock(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C report only tries the queue's done lock: held by another thread, it declines,
+    and Python's report waits for the lock."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue._done_lock:
+            held.set()
+            go.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait(30)
+        sig = prog(out)
+        timer = threading.Timer(0.2, go.set)  # (lets the poll's report find the lock held)
+        timer.start()
+        with anyio.fail_after(30):
+            await sig
+    finally:
+        go.set()
+        holder.join(30)
+    assert python_runs.values == [sig.value] and sig.done() and sig.error() is None
+    await out.free()
+
+
+async def test_a_round_trip_completed_after_the_device_failed_fails_with_its_error(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch that completes once the device holds its sticky error fails with it: the C
+    report declines and Python's fails it."""
+    dev, _, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    sig = prog(out)
+    assert not sig.done()  # (its batch waits for the gate: held a minute)
+    error = dev._fail(RuntimeError("elsewhere"), sig)
+    with pytest.raises(DeviceError, match="elsewhere"), anyio.fail_after(30):
+        await sig
+    assert python_runs.values == [sig.value] and sig.error() is error
+    await dev.reset()
+    await out.free()
+
+
+async def test_a_round_trip_is_reported_in_python_with_debug_logging(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DEBUG=2 logs every completed launch: the C report declines and Python's logs it."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    monkeypatch.setenv("DEBUG", "2")
+    with caplog.at_level("DEBUG", logger="aiotinyrt"), anyio.fail_after(30):
+        sig = prog(out)
+        await sig
+    assert python_runs.values == [sig.value]
+    assert f"{queue.timeline.label}@{sig.value}: launch" in caplog.text
+    monkeypatch.setenv("DEBUG", "0")
     await out.free()

@@ -31,7 +31,8 @@
   itself (``poll``, clq.c's "Two takers"). ``await sig`` first claims the command (``claim``:
   its batch goes to the device), makes the checkpoint every await makes while the device runs
   it, then polls; meanwhile the waiter leaves completions to that poll, for ``_CLAIM_NS`` at
-  most.
+  most. With the extension module the poll is one C call (clfast.c's ``cl_poll``), which also
+  reports a round trip's repeat launch in the common case (:meth:`_settle_args`).
 - Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
   before it reports, the DriverQueue its own when the command completed.
 """
@@ -120,6 +121,10 @@ def c_launch_ready() -> bool:
     return bool(_c_launch)
 
 
+def _no_c_poll(*args: Any) -> tuple[int, int, int]:
+    raise AssertionError("cl_poll called without the extension module")
+
+
 class _RingCounters:
     """A CL queue's timeline counters (see ``Driver.counters`` in :mod:`aiotinyrt.driverqueue`):
     a change of ``wake_at`` reaches the completion ring, which holds completions back for larger
@@ -178,6 +183,10 @@ class CLQueue:
         #: (one set: the loop threads that poll take turns on the ring's token)
         self._poll_ns = max(0, getenv("CL_POLL_US", 50)) * 1000
         self._poll_out = None if self._ring is None else _Taken()
+        #: the extension module's ``cl_poll`` and its first argument (see :meth:`_settle_args`;
+        #: None: not made yet, (): none)
+        self._settle: tuple[Any, ...] | None = None
+        self._c_poll: Callable[..., tuple[int, int, int]] = _no_c_poll
         #: the DriverQueue this drives (set by the device once both exist: the repeat launches'
         #: completions are reported to it directly)
         self.owner: Any = None
@@ -326,14 +335,32 @@ class CLQueue:
         ring, lib, taken = self._ring, self._native, self._poll_out
         assert taken is not None  # (made with the ring)
         address = 0 if event is None else cdata_address(event)
+        settle = self._settle if self._settle is not None else self._settle_args(taken)
         n = -1
         try:
-            n = lib.clq_poll(ring, address, -value, self._poll_ns, claim, 256, *taken.arrays)
+            if settle:
+                n = self._c_poll(settle, address, -value, self._poll_ns, claim)[0]
+            else:
+                n = lib.clq_poll(ring, address, -value, self._poll_ns, claim, 256, *taken.arrays)
         finally:
             if n < 0:  # (a signal handler raised before the result was stored: read it back)
                 n = lib.clq_polled(ring)
             if n:
                 self._report_taken(n, taken)
+
+    def _settle_args(self, taken: _Taken) -> tuple[Any, ...]:
+        """The extension module's ``cl_poll`` (clfast.c), which polls and, in a round trip's
+        common case, reports what it took in the same call, and its first argument; () without
+        the extension module's repeat launch (its report needs no C then)."""
+        if taken.done is None or self.owner is None:
+            self._settle = ()
+            return ()
+        owner = self.owner
+        ring = int(native.ffi.cast("uintptr_t", self._ring))
+        self._c_poll = native.cl_poller()
+        queue = (owner, owner._done_lock, owner.timeline, self.counters, owner.device)
+        self._settle = (ring, *taken.addresses, *queue)
+        return self._settle
 
     def gate(self, microseconds: int) -> None:
         """Hold batches of commands nobody waits for at most ``microseconds`` (0: hand every

@@ -361,6 +361,15 @@ def cl_reporter() -> Callable[..., tuple[int, list[Any], bool]] | None:
     return None if module is None else module.cl_done
 
 
+def cl_poller() -> Callable[..., tuple[int, int, int]]:
+    """The extension module's ``cl_poll(settle, event, tag, ns, claim) -> (n, first, last)``
+    (clfast.c): a CL queue's poll and, in a round trip's common case, its report in one call.
+    Only with the module."""
+    module = _module()
+    assert module is not None  # (asked for only once cl_reporter() found it)
+    return module.cl_poll  # type: ignore[no-any-return]
+
+
 def rlock() -> Any:
     """A reentrant lock, as ``threading.RLock``: the extension module's ``Lock`` (lock.c), which
     the CL repeat launch takes from C without calling Python, else ``threading.RLock``."""

@@ -21,7 +21,10 @@
    cl_done() is the other half: the queue's waiter (or a poll) took a batch from the ring, and
    for a run of such launches that completed, with consecutive values, it stores each one's
    device time in its Signal, drops what the Signal held for the command and hands the Signals
-   to Python in one list (CLQueue._report_taken: DriverQueue._report_run). */
+   to Python in one list (CLQueue._report_taken: DriverQueue._report_run). cl_poll() is the
+   awaiting thread's poll (CLQueue.poll) in one call, with the report of a round trip's
+   launch in C in the common case (report_direct): the rest of a round trip is this much
+   Python less. */
 #include "pyext.h"
 
 #include "clq.h"
@@ -36,10 +39,10 @@ static enqueue_fn cl_enqueue;
 static release_fn cl_release;
 static wait_fn cl_wait;
 static PyObject *completion_type;
-static Py_ssize_t off_fn, off_args, off_deps, off_keep;
+static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_t_heap;
 static PyObject *float_zero, *empty_tuple;
 static PyObject *s_stopping, *s_held, *s_error, *s_next, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name,
-    *s_closed;
+    *s_closed, *s_advancing, *s_results, *s_runs, *s_enqueuing, *s_taken, *s_completed, *s_heap;
 
 /* cl_configure(Completion, enqueue, release, wait) after configure(): the DriverQueue's
    Completion class and the ICD loader's clEnqueueNDRangeKernel, clReleaseEvent and
@@ -58,13 +61,16 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     }
     if ((off_fn = slot_offset(sig_type, "_fn")) < 0 || (off_args = slot_offset(sig_type, "_args")) < 0 ||
-        (off_deps = slot_offset(sig_type, "_deps")) < 0 || (off_keep = slot_offset(sig_type, "_keep")) < 0)
+        (off_deps = slot_offset(sig_type, "_deps")) < 0 || (off_keep = slot_offset(sig_type, "_keep")) < 0 ||
+        (off_t_heap = slot_offset(timeline_type, "_heap")) < 0)
         return NULL;
     if (!empty_tuple) { /* (the last of these made: a failure part way is tried again) */
-        PyObject **names[] = {&s_stopping, &s_held, &s_error, &s_next, &s_submitted,
-                              &s_commands, &s_bufs, &s_vals,  &s_name, &s_closed};
-        const char *text[] = {"_stopping", "_held", "_error", "_next", "submitted",
-                              "_commands", "_bufs", "_vals",  "name",  "_closed"};
+        PyObject **names[] = {&s_stopping, &s_held,      &s_error,   &s_next,    &s_submitted, &s_commands,
+                              &s_bufs,     &s_vals,      &s_name,    &s_closed,  &s_advancing, &s_results,
+                              &s_runs,     &s_enqueuing, &s_taken,   &s_completed, &s_heap};
+        const char *text[] = {"_stopping", "_held",      "_error",   "_next",    "submitted",  "_commands",
+                              "_bufs",     "_vals",      "name",     "_closed",  "_advancing", "_results",
+                              "_runs",     "_enqueuing", "_taken",   "completed", "_heap"};
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
             if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i]))) return NULL;
         if ((!float_zero && !(float_zero = PyFloat_FromDouble(0.0))) || !(empty_tuple = PyTuple_New(0)))
@@ -341,4 +347,162 @@ PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     PyTuple_SET_ITEM(out, 1, list);
     PyTuple_SET_ITEM(out, 2, PyBool_FromLong(clean));
     return out;
+}
+
+/* 1 if `obj.name` is a dict or list with no item, 0 otherwise (or on an error, cleared). */
+static int attr_empty(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) {
+        PyErr_Clear();
+        return 0;
+    }
+    int out = (PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0) || (PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0);
+    Py_DECREF(v);
+    return out;
+}
+
+/* 1 unless the timeline's waiters (`heap`: Timeline._heap, a heap of (value, seq, waiter)) are
+   all for values after `last`; 1 too for anything not so read. */
+static int waiter_due(PyObject *heap, long long last) {
+    if (!heap || !PyList_CheckExact(heap)) return 1;
+    if (PyList_GET_SIZE(heap) == 0) return 0;
+    PyObject *top = PyList_GET_ITEM(heap, 0);
+    if (!PyTuple_CheckExact(top) || PyTuple_GET_SIZE(top) < 1 || !PyLong_CheckExact(PyTuple_GET_ITEM(top, 0)))
+        return 1;
+    long long value = PyLong_AsLongLong(PyTuple_GET_ITEM(top, 0));
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 1;
+    }
+    return value <= last;
+}
+
+/* The fields of a Signal that cl_done() drops (fn, args, deps, keep). */
+#define DROPPED 4
+
+/* The report of DriverQueue._report_run's common case in C, for the `n` entries a poll took:
+   a run of repeat launches, each completed without error, next in line on a queue with
+   nothing else to complete, no waiter of its timeline due by the last of them, no sticky
+   error and DEBUG off.
+   Returns 1 once they are complete (their Signals' device times stored, what they held
+   dropped, `_taken` and the timeline's `completed` moved), 0 if any of that does not hold:
+   nothing was changed, and the caller reports them as any batch (Python's path).
+
+   No Python code runs and the GIL is never let go between the first check and the store of
+   `completed`: no other thread can act on the queue or the timeline meanwhile (the checks'
+   attributes are plain ones, the timeline's waiters a __slots__ member; nothing allocated
+   there is tracked by the cyclic collector). A thread inside a section of the queue's done
+   lock, preempted there, holds the lock: the call declines then. A thread preempted inside
+   Timeline.add_waiter has pushed its waiter (seen here) or reads `completed` after this store
+   (and fires itself), as with Timeline.advance. What the Signals held is released last (that may run Python code). */
+static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags, const int32_t *status,
+                         const double *seconds, int n) {
+    PyObject *dq = PyTuple_GET_ITEM(settle, 5), *done_lock = PyTuple_GET_ITEM(settle, 6);
+    PyObject *timeline = PyTuple_GET_ITEM(settle, 7), *counters = PyTuple_GET_ITEM(settle, 8);
+    PyObject *device = PyTuple_GET_ITEM(settle, 9);
+    if (n < 1 || n > 256) return 0;
+    for (int k = 0; k < n; k++)
+        if (tags[k] >= 0 || status[k] != 0 || (k > 0 && tags[k] != tags[k - 1] - 1)) return 0;
+    const char *debug = getenv("DEBUG"); /* (DEBUG >= 2 logs each completion: Python's path) */
+    if (debug && *debug && strcmp(debug, "0") != 0) return 0;
+    long long first = -tags[0], last = -tags[n - 1];
+    PyObject *last_obj = PyLong_FromLongLong(last);
+    if (!last_obj) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (lock_try(done_lock) != 1) { /* (0: held, by another thread or inside a section of this one) */
+        Py_DECREF(last_obj);
+        return 0;
+    }
+    int ok = attr_is(dq, s_advancing, Py_False) == 1 && attr_empty(dq, s_results) && attr_empty(dq, s_runs) &&
+             attr_is(device, s_error, Py_None) == 1;
+    if (ok) {
+        PyObject *enqueuing = PyObject_GetAttr(dq, s_enqueuing);
+        ok = enqueuing && PyLong_CheckExact(enqueuing) &&
+             PyLong_AsUnsignedLongMask(enqueuing) != PyThread_get_thread_ident();
+        Py_XDECREF(enqueuing);
+    }
+    PyObject *completed = ok ? PyObject_GetAttr(counters, s_completed) : NULL;
+    ok = completed && PyLong_CheckExact(completed) && PyLong_AsLongLong(completed) + 1 == first;
+    Py_XDECREF(completed);
+    ok = ok && !waiter_due(SLOT(timeline, off_t_heap), last);
+    ok = ok && PyObject_SetAttr(dq, s_taken, last_obj) == 0;
+    if (!ok) {
+        PyErr_Clear();
+        lock_release(done_lock);
+        Py_DECREF(last_obj);
+        return 0;
+    }
+    PyObject *dropped[256 * DROPPED];
+    const Py_ssize_t offs[DROPPED] = {off_fn, off_args, off_deps, off_keep};
+    for (int k = 0; k < n; k++) { /* (as cl_done) */
+        PyObject *sig = objs[k];
+        PyObject *elapsed = seconds[k] != 0.0 ? PyFloat_FromDouble(seconds[k]) : NULL;
+        if (!elapsed) {
+            PyErr_Clear();
+            Py_INCREF(float_zero);
+            elapsed = float_zero;
+        }
+        PyObject *old = SLOT(sig, off_elapsed);
+        SLOT(sig, off_elapsed) = elapsed;
+        Py_XDECREF(old); /* (a float: nothing runs) */
+        keep_tracked(sig);
+        for (int f = 0; f < DROPPED; f++) {
+            dropped[k * DROPPED + f] = SLOT(sig, offs[f]);
+            Py_INCREF(Py_None);
+            SLOT(sig, offs[f]) = Py_None;
+        }
+        if (!PyObject_GC_IsTracked(sig)) PyObject_GC_Track(sig);
+    }
+    if (PyObject_SetAttr(counters, s_completed, last_obj) < 0) PyErr_WriteUnraisable(counters);
+    lock_release(done_lock);
+    Py_DECREF(last_obj);
+    for (int k = 0; k < n * DROPPED; k++) Py_XDECREF(dropped[k]);
+    for (int k = 0; k < n; k++) Py_DECREF(objs[k]); /* (the ring's references) */
+    return 1;
+}
+
+/* cl_poll(settle, event, tag, ns, claim): CLQueue.poll in one call. clq_poll() (the GIL let go
+   while it waits) with the queue's arrays, then, when what it took is the common case of a
+   round trip (report_direct), its report. settle: (ring, objs, tags, status, seconds (the
+   addresses), DriverQueue, its done lock, Timeline, the timeline's counters, device). Returns
+   (n, first, last): n the events the poll took that the caller reports itself, then calls
+   clq_reported() (0: none, or reported here); first..last the values reported here (0, 0:
+   none). */
+PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 5 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 10) {
+        PyErr_SetString(PyExc_TypeError, "cl_poll(settle, event, tag, ns, claim)");
+        return NULL;
+    }
+    PyObject *settle = args[0];
+    clq_t *ring = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 0));
+    PyObject **objs = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 1));
+    int64_t *tags = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 2));
+    int32_t *status = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 3));
+    double *seconds = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 4));
+    uintptr_t event = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    long long tag = PyLong_AsLongLong(args[2]), claim = PyLong_AsLongLong(args[4]);
+    long ns = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (!ring || !objs || !tags || !status || !seconds) {
+        PyErr_SetString(PyExc_ValueError, "cl_poll: NULL ring or array");
+        return NULL;
+    }
+    int taken;
+    long long first = 0, last = 0;
+    Py_BEGIN_ALLOW_THREADS
+    taken = clq_poll(ring, event, tag, ns, claim, 256, status, seconds, tags, (void **)objs);
+    Py_END_ALLOW_THREADS
+    if (taken > 0) {
+        first = -tags[0], last = -tags[taken - 1];
+        if (report_direct(settle, objs, tags, status, seconds, taken)) {
+            clq_reported(ring);
+            taken = 0;
+        } else {
+            first = last = 0;
+        }
+    }
+    return Py_BuildValue("(iLL)", taken, first, last);
 }

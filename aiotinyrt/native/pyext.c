@@ -406,6 +406,7 @@ static PyMethodDef hq_methods[] = {
      "cl_configure(Completion, enqueue, release, wait)"},
     {"cl_done", (PyCFunction)(void (*)(void))py_cl_done, METH_FASTCALL,
      "cl_done(objs, tags, status, seconds, i, n)"},
+    {"cl_poll", (PyCFunction)(void (*)(void))py_cl_poll, METH_FASTCALL, "cl_poll(settle, event, tag, ns, claim)"},
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef hq_module = {
