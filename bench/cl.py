@@ -289,7 +289,7 @@ async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> N
         stamp()
         run(queue, sigs)
 
-    if driver._settle is None:
+    if driver._settle is None and driver._poll_out is not None:  # (None: no native ring)
         driver._settle_args(driver._poll_out)
     c_poll = driver._c_poll
 

@@ -7,6 +7,7 @@ command does."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -717,19 +718,21 @@ async def test_a_round_trip_is_reported_in_c_by_the_awaiting_thread(
     python_runs = _PythonRuns(monkeypatch)
     reports = _Reports(monkeypatch, driver)
     first = queue.timeline.completed + 1
-    sigs = []
+    sigs, kept = [], []
     with anyio.fail_after(30):
         for _ in range(20):
             sig = prog(out)
+            kept.append(sig._keep)  # (its tuple of buffers, untracked while pending)
             await sig
             sigs.append(sig)
     assert python_runs.values == []
+    assert all(k == (out,) and gc.is_tracked(k) for k in kept)  # (the collector's again)
     assert reports.values == list(range(first, first + 20))
     assert reports.threads == [threading.get_ident()] * 20
     assert [s.value for s in sigs] == reports.values and queue._taken == first + 19
     assert queue.timeline.completed == first + 19 and not queue._advancing
     for sig in sigs:
-        assert sig.done() and sig.error() is None and isinstance(sig.result(), float)
+        assert sig.done() and sig.error() is None and sig.result() > 0.0  # (PoCL's profiling time)
         assert sig._keep is None and sig._args is None and sig._fn is None and sig._deps is None
         assert gc.is_tracked(sig)
     assert (await out.numpy())[0] == 21
@@ -773,31 +776,93 @@ async def test_a_round_trip_is_reported_in_python_while_another_thread_holds_the
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The C report only tries the queue's done lock: held by another thread, it declines,
-    and Python's report waits for the lock."""
+    and Python's report waits for the lock (let go here once the C call returned)."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)
     python_runs = _PythonRuns(monkeypatch)
     held, go = threading.Event(), threading.Event()
+    c_poll, returned = driver._c_poll, []
+
+    def poll_then_let_go(*args: Any) -> tuple[int, int, int]:
+        out = c_poll(*args)
+        returned.append(out)
+        go.set()
+        return out
 
     def hold() -> None:
         with queue._done_lock:
             held.set()
             go.wait(60)
 
+    monkeypatch.setattr(driver, "_c_poll", poll_then_let_go)
     holder = threading.Thread(target=hold)
     holder.start()
     try:
-        held.wait(30)
+        assert held.wait(30)
         sig = prog(out)
-        timer = threading.Timer(0.2, go.set)  # (lets the poll's report find the lock held)
-        timer.start()
         with anyio.fail_after(30):
             await sig
     finally:
         go.set()
         holder.join(30)
+    assert returned == [(1, 0, 0)]  # (it took the launch and left its report to Python)
     assert python_runs.values == [sig.value] and sig.done() and sig.error() is None
+    await out.free()
+
+
+async def test_a_round_trip_is_reported_in_python_while_a_later_command_waits_to_be_advanced(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command after the launch whose result is already in (held back for a dependency on
+    another device that failed: it completes unrun) must be advanced with the launch's
+    report: the C report declines (results pending) and Python's completes both."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    cpu, go = Device["CPU"], threading.Event()
+
+    def fail() -> None:
+        go.wait(60)
+        raise RuntimeError("the dependency failed")
+
+    dep = cpu._compute_queue.submit(fail, ())
+    try:
+        try:
+            launch = prog(out)  # (its batch waits for the gate: held a minute)
+            later = queue.submit(lambda: None, (), (dep,))
+            assert list(queue._held) == [later]
+        finally:
+            go.set()
+        with anyio.fail_after(30):
+            while queue._held:  # (the CPU worker fails it once the dependency failed)
+                await anyio.lowlevel.checkpoint()
+            assert later.value in queue._results and not launch.done()
+            await launch
+            with pytest.raises(DeviceError, match="the dependency failed"):
+                await later
+        assert python_runs.values == [launch.value] and launch.error() is None
+    finally:
+        await cpu.reset()
+    await out.free()
+
+
+async def test_a_poll_reports_in_python_once_the_extension_module_is_turned_off(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``NATIVE_QUEUE=0`` set after the queue was made: its polls report in Python (the
+    extension module's ``cl_poll`` is not asked for), and every await completes."""
+    dev, _, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    monkeypatch.setattr(driver, "_settle", None)  # (as before its first poll)
+    monkeypatch.setenv("NATIVE_QUEUE", "0")
+    with anyio.fail_after(30):
+        for _ in range(3):
+            await prog(out)
+    assert driver._settle == ()
+    monkeypatch.delenv("NATIVE_QUEUE")
+    assert (await out.numpy())[0] == 3
     await out.free()
 
 
@@ -837,4 +902,25 @@ async def test_a_round_trip_is_reported_in_python_with_debug_logging(
     assert python_runs.values == [sig.value]
     assert f"{queue.timeline.label}@{sig.value}: launch" in caplog.text
     monkeypatch.setenv("DEBUG", "0")
+    await out.free()
+
+
+async def test_a_round_trip_is_reported_in_python_when_os_environ_was_replaced(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DEBUG is read from ``os.environ`` as Python reads it: with the mapping replaced (as a
+    test may), the C report cannot read it and leaves the report to Python, which logs."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    python_runs = _PythonRuns(monkeypatch)
+    monkeypatch.setattr(os, "environ", {**os.environ, "DEBUG": "2"})
+    with caplog.at_level("DEBUG", logger="aiotinyrt"), anyio.fail_after(30):
+        sig = prog(out)
+        await sig
+    assert python_runs.values == [sig.value]
+    assert f"{queue.timeline.label}@{sig.value}: launch" in caplog.text
+    monkeypatch.undo()
     await out.free()

@@ -352,12 +352,13 @@ class CLQueue:
         """The extension module's ``cl_poll`` (clfast.c), which polls and, in a round trip's
         common case, reports what it took in the same call, and its first argument; () without
         the extension module's repeat launch (its report needs no C then)."""
-        if taken.done is None or self.owner is None:
+        c_poll = None if taken.done is None or self.owner is None else native.cl_poller()
+        if c_poll is None:
             self._settle = ()
             return ()
         owner = self.owner
         ring = int(native.ffi.cast("uintptr_t", self._ring))
-        self._c_poll = native.cl_poller()
+        self._c_poll = c_poll
         queue = (owner, owner._done_lock, owner.timeline, self.counters, owner.device)
         self._settle = (ring, *taken.addresses, *queue)
         return self._settle

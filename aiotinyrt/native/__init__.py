@@ -361,13 +361,12 @@ def cl_reporter() -> Callable[..., tuple[int, list[Any], bool]] | None:
     return None if module is None else module.cl_done
 
 
-def cl_poller() -> Callable[..., tuple[int, int, int]]:
+def cl_poller() -> Callable[..., tuple[int, int, int]] | None:
     """The extension module's ``cl_poll(settle, event, tag, ns, claim) -> (n, first, last)``
-    (clfast.c): a CL queue's poll and, in a round trip's common case, its report in one call.
-    Only with the module."""
+    (clfast.c): a CL queue's poll and, in a round trip's common case, its report in one call;
+    None without the module (``NATIVE_QUEUE=0`` set meanwhile, too)."""
     module = _module()
-    assert module is not None  # (asked for only once cl_reporter() found it)
-    return module.cl_poll  # type: ignore[no-any-return]
+    return None if module is None else module.cl_poll
 
 
 def rlock() -> Any:

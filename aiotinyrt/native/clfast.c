@@ -41,6 +41,7 @@ static wait_fn cl_wait;
 static PyObject *completion_type;
 static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_t_heap;
 static PyObject *float_zero, *empty_tuple;
+static PyObject *os_module, *os_environ, *s_environ, *s_data, *b_debug; /* (debug_may_log) */
 static PyObject *s_stopping, *s_held, *s_error, *s_next, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name,
     *s_closed, *s_advancing, *s_results, *s_runs, *s_enqueuing, *s_taken, *s_completed, *s_heap;
 
@@ -73,6 +74,12 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
                               "_runs",     "_enqueuing", "_taken",   "completed", "_heap"};
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
             if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i]))) return NULL;
+        if ((!os_module && !(os_module = PyImport_ImportModule("os"))) ||
+            (!os_environ && !(os_environ = PyObject_GetAttrString(os_module, "environ"))) ||
+            (!s_environ && !(s_environ = PyUnicode_InternFromString("environ"))) ||
+            (!s_data && !(s_data = PyUnicode_InternFromString("_data"))) ||
+            (!b_debug && !(b_debug = PyBytes_FromString("DEBUG"))))
+            return NULL;
         if ((!float_zero && !(float_zero = PyFloat_FromDouble(0.0))) || !(empty_tuple = PyTuple_New(0)))
             return NULL;
     }
@@ -377,13 +384,33 @@ static int waiter_due(PyObject *heap, long long last) {
     return value <= last;
 }
 
+/* 0 if DEBUG is unset, empty or "0" in os.environ as Python reads it (helpers.environ_get: the
+   mapping's own dict of encoded names), 1 otherwise, or when os.environ is not the mapping it
+   was at configure time (a test replaced it) or cannot be read so: Python's path decides. */
+static int debug_may_log(void) {
+    PyObject *environ = PyObject_GetAttr(os_module, s_environ);
+    int out = 1;
+    if (environ == os_environ) {
+        PyObject *data = PyObject_GetAttr(environ, s_data);
+        PyObject *raw = data && PyDict_CheckExact(data) ? PyDict_GetItemWithError(data, b_debug) : NULL;
+        if (data && PyDict_CheckExact(data) && !raw && !PyErr_Occurred())
+            out = 0;
+        else if (raw && PyBytes_CheckExact(raw))
+            out = PyBytes_GET_SIZE(raw) != 0 && strcmp(PyBytes_AS_STRING(raw), "0") != 0;
+        Py_XDECREF(data);
+    }
+    Py_XDECREF(environ);
+    PyErr_Clear();
+    return out;
+}
+
 /* The fields of a Signal that cl_done() drops (fn, args, deps, keep). */
 #define DROPPED 4
 
 /* The report of DriverQueue._report_run's common case in C, for the `n` entries a poll took:
    a run of repeat launches, each completed without error, next in line on a queue with
    nothing else to complete, no waiter of its timeline due by the last of them, no sticky
-   error and DEBUG off.
+   error and DEBUG unset or 0 (debug_may_log).
    Returns 1 once they are complete (their Signals' device times stored, what they held
    dropped, `_taken` and the timeline's `completed` moved), 0 if any of that does not hold:
    nothing was changed, and the caller reports them as any batch (Python's path).
@@ -403,8 +430,7 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
     if (n < 1 || n > 256) return 0;
     for (int k = 0; k < n; k++)
         if (tags[k] >= 0 || status[k] != 0 || (k > 0 && tags[k] != tags[k - 1] - 1)) return 0;
-    const char *debug = getenv("DEBUG"); /* (DEBUG >= 2 logs each completion: Python's path) */
-    if (debug && *debug && strcmp(debug, "0") != 0) return 0;
+    if (debug_may_log()) return 0; /* (DEBUG >= 2 logs each completion: Python's path) */
     long long first = -tags[0], last = -tags[n - 1];
     PyObject *last_obj = PyLong_FromLongLong(last);
     if (!last_obj) {
