@@ -293,6 +293,33 @@ static void keep_tracked(PyObject *sig) {
     if (keep && PyTuple_CheckExact(keep) && !PyObject_GC_IsTracked(keep)) PyObject_GC_Track(keep);
 }
 
+/* The fields of a Signal whose command completed that it no longer holds (fn, args, deps, keep). */
+#define DROPPED 4
+
+/* The Signal of a repeat launch that completed without error, as its report leaves it: its
+   device time (`seconds`) stored, its keep tracked again, its DROPPED fields None (what they
+   held is handed to the caller in `dropped`, to release: that may run Python code), and the
+   Signal itself tracked again. Nothing here runs Python code. */
+static void signal_done(PyObject *sig, double seconds, PyObject **dropped) {
+    PyObject *elapsed = seconds != 0.0 ? PyFloat_FromDouble(seconds) : NULL;
+    if (!elapsed) {
+        PyErr_Clear();
+        Py_INCREF(float_zero);
+        elapsed = float_zero;
+    }
+    PyObject *old = SLOT(sig, off_elapsed);
+    SLOT(sig, off_elapsed) = elapsed;
+    Py_XDECREF(old); /* (a float: nothing runs) */
+    keep_tracked(sig);
+    const Py_ssize_t offs[DROPPED] = {off_fn, off_args, off_deps, off_keep};
+    for (int f = 0; f < DROPPED; f++) {
+        dropped[f] = SLOT(sig, offs[f]);
+        Py_INCREF(Py_None);
+        SLOT(sig, offs[f]) = Py_None;
+    }
+    if (!PyObject_GC_IsTracked(sig)) PyObject_GC_Track(sig);
+}
+
 /* cl_done(objs, tags, status, seconds, i, n): the entries i.. of a batch a clq_wait() or
    clq_poll() took (the arrays' addresses) that are repeat launches' (tag -value, obj its
    Signal with the ring's reference): (j, signals, clean). Clean: entries i..j-1 completed, with
@@ -335,20 +362,9 @@ PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         keep_tracked(objs[k]);
     }
     for (Py_ssize_t k = i; clean && k < j; k++) { /* (dropping what a Signal held may run Python code) */
-        PyObject *sig = objs[k];
-        PyObject *elapsed = seconds[k] != 0.0 ? PyFloat_FromDouble(seconds[k]) : NULL;
-        if (!elapsed) {
-            PyErr_Clear();
-            Py_INCREF(float_zero);
-            elapsed = float_zero;
-        }
-        set_slot(sig, off_elapsed, elapsed);
-        Py_ssize_t offs[] = {off_fn, off_args, off_deps, off_keep};
-        for (size_t f = 0; f < sizeof offs / sizeof offs[0]; f++) {
-            Py_INCREF(Py_None);
-            set_slot(sig, offs[f], Py_None);
-        }
-        if (!PyObject_GC_IsTracked(sig)) PyObject_GC_Track(sig);
+        PyObject *dropped[DROPPED];
+        signal_done(objs[k], seconds[k], dropped);
+        for (int f = 0; f < DROPPED; f++) Py_XDECREF(dropped[f]);
     }
     PyTuple_SET_ITEM(out, 0, stop);
     PyTuple_SET_ITEM(out, 1, list);
@@ -404,9 +420,6 @@ static int debug_may_log(void) {
     return out;
 }
 
-/* The fields of a Signal that cl_done() drops (fn, args, deps, keep). */
-#define DROPPED 4
-
 /* The report of DriverQueue._report_run's common case in C, for the `n` entries a poll took:
    a run of repeat launches, each completed without error, next in line on a queue with
    nothing else to complete, no waiter of its timeline due by the last of them, no sticky
@@ -461,26 +474,7 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
         return 0;
     }
     PyObject *dropped[256 * DROPPED];
-    const Py_ssize_t offs[DROPPED] = {off_fn, off_args, off_deps, off_keep};
-    for (int k = 0; k < n; k++) { /* (as cl_done) */
-        PyObject *sig = objs[k];
-        PyObject *elapsed = seconds[k] != 0.0 ? PyFloat_FromDouble(seconds[k]) : NULL;
-        if (!elapsed) {
-            PyErr_Clear();
-            Py_INCREF(float_zero);
-            elapsed = float_zero;
-        }
-        PyObject *old = SLOT(sig, off_elapsed);
-        SLOT(sig, off_elapsed) = elapsed;
-        Py_XDECREF(old); /* (a float: nothing runs) */
-        keep_tracked(sig);
-        for (int f = 0; f < DROPPED; f++) {
-            dropped[k * DROPPED + f] = SLOT(sig, offs[f]);
-            Py_INCREF(Py_None);
-            SLOT(sig, offs[f]) = Py_None;
-        }
-        if (!PyObject_GC_IsTracked(sig)) PyObject_GC_Track(sig);
-    }
+    for (int k = 0; k < n; k++) signal_done(objs[k], seconds[k], &dropped[k * DROPPED]);
     if (PyObject_SetAttr(counters, s_completed, last_obj) < 0) PyErr_WriteUnraisable(counters);
     lock_release(done_lock);
     Py_DECREF(last_obj);
