@@ -6,7 +6,7 @@
 
 Every figure is the median over the repetitions (the copy rows: over every copy); each
 repetition runs every row once, in the same order, so slow phases of a noisy machine hit all
-columns alike. The kernel is
+columns alike; the copies of pyopencl and aiotinyrt alternate, one each in turn. The kernel is
 ``out[0] += 1`` on one int. Also measured: the two completion paths a driver-run queue can take
 (a clSetEventCallback per event, or one waiter thread calling clWaitForEvents in order), on the
 raw binding, and whether two builds of distinct kernels overlap: on two threads of one process
@@ -91,14 +91,20 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
     s.add("pyopencl|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
     host = np.ones(nbytes // 4, np.int32)
     big = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
-    for _ in range(COPIES):
+
+    def copy(into: bool) -> float:
+        """One blocking 64 MiB copy, in or out: its wall seconds."""
         t = time.perf_counter()
-        cl.enqueue_copy(q, big, host, is_blocking=True)
-        s.add("pyopencl|copyin 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
-    for _ in range(COPIES):
-        t = time.perf_counter()
-        cl.enqueue_copy(q, host, big, is_blocking=True)
-        s.add("pyopencl|copyout 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+        cl.enqueue_copy(q, *((big, host) if into else (host, big)), is_blocking=True)
+        return time.perf_counter() - t
+
+    _pyopencl_copy[:] = [copy]
+
+
+#: pyopencl's copy of this repetition (pyopencl_rows), which aiotinyrt_rows alternates with its
+#: own: copies move with the machine's memory bandwidth of the moment, so the two sides' copies
+#: are interleaved rather than run seconds apart.
+_pyopencl_copy: list[Callable[[bool], float]] = []
 
 
 def floor_rows(s: Samples, n: int) -> None:
@@ -248,14 +254,14 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     await stub_rows(s, dev, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
-    for _ in range(COPIES):
-        t = time.perf_counter()
-        await big.copyin(host)
-        s.add("aiotinyrt|copyin 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
-    for _ in range(COPIES):
-        t = time.perf_counter()
-        await big.copyout(host)
-        s.add("aiotinyrt|copyout 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+    for into, name in ((True, "copyin"), (False, "copyout")):
+        for _ in range(COPIES):  # (each one after one of pyopencl's: see _pyopencl_copy)
+            if _pyopencl_copy:
+                s.add(f"pyopencl|{name} 64 MiB (GB/s)", nbytes / _pyopencl_copy[0](into) / 1e9)
+            t = time.perf_counter()
+            await (big.copyin(host) if into else big.copyout(host))
+            s.add(f"aiotinyrt|{name} 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
+    _pyopencl_copy.clear()
     await big.free()
     sig = prog(buf)
     t = time.perf_counter()
