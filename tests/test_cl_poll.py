@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -924,3 +926,44 @@ async def test_a_round_trip_is_reported_in_python_when_os_environ_was_replaced(
     assert f"{queue.timeline.label}@{sig.value}: launch" in caplog.text
     monkeypatch.undo()
     await out.free()
+
+
+def test_the_c_report_reads_debug_from_the_os_environ_of_the_moment() -> None:
+    """A process whose CL device opens while ``os.environ`` is replaced (as a test may) and
+    put back afterwards: its polls report round trips in C again (DEBUG is read from the
+    mapping of the moment, not the one at the device's opening). A fresh process: the
+    extension module is configured once, by the first CL device."""
+    script = """
+import os, anyio
+from aiotinyrt import Buffer, Device, dtypes
+real = os.environ
+os.environ = {**real}
+dev = Device["CL"]
+os.environ = real
+driver = dev._compute_queue.driver
+async def main():
+    prog = await dev.program("inc", "__kernel void inc(__global int* out) { out[0] += 1; }")
+    out = await Buffer("CL", 1, dtypes.int32).allocate()
+    await prog(out)
+    if driver._settle is None:
+        driver._settle_args(driver._poll_out)
+    if not driver._settle:
+        print("no C report")
+        return
+    c_poll, reported = driver._c_poll, []
+    driver._c_poll = lambda *args: reported.append(c_poll(*args)) or reported[-1]
+    for _ in range(5):
+        await prog(out)
+    print("reported in C:", sum(1 for _, _, last in reported if last))
+anyio.run(main)
+"""
+    cl_ring("the poll's report in C")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("DEBUG", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    if "no C report" in done.stdout:
+        pytest.skip("the extension module (aiotinyrt.native._hostq) is not built: no poll's report in C")
+    assert "reported in C: 5" in done.stdout, done.stdout + done.stderr

@@ -41,7 +41,7 @@ static wait_fn cl_wait;
 static PyObject *completion_type;
 static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_t_heap;
 static PyObject *float_zero, *empty_tuple;
-static PyObject *os_module, *os_environ, *s_environ, *s_data, *b_debug; /* (debug_may_log) */
+static PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug; /* (debug_may_log) */
 static PyObject *s_stopping, *s_held, *s_error, *s_next, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name,
     *s_closed, *s_advancing, *s_results, *s_runs, *s_enqueuing, *s_taken, *s_completed, *s_heap;
 
@@ -75,7 +75,7 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
             if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i]))) return NULL;
         if ((!os_module && !(os_module = PyImport_ImportModule("os"))) ||
-            (!os_environ && !(os_environ = PyObject_GetAttrString(os_module, "environ"))) ||
+            (!environ_type && !(environ_type = PyObject_GetAttrString(os_module, "_Environ"))) ||
             (!s_environ && !(s_environ = PyUnicode_InternFromString("environ"))) ||
             (!s_data && !(s_data = PyUnicode_InternFromString("_data"))) ||
             (!b_debug && !(b_debug = PyBytes_FromString("DEBUG"))))
@@ -401,12 +401,14 @@ static int waiter_due(PyObject *heap, long long last) {
 }
 
 /* 0 if DEBUG is unset, empty or "0" in os.environ as Python reads it (helpers.environ_get: the
-   mapping's own dict of encoded names), 1 otherwise, or when os.environ is not the mapping it
-   was at configure time (a test replaced it) or cannot be read so: Python's path decides. */
+   mapping's own dict of encoded names), 1 otherwise, or when os.environ is not an os._Environ
+   (a test replaced it with another mapping) or cannot be read so: Python's path decides. (The
+   mapping of the moment, by its class: one replaced when this module was configured and put
+   back since must not turn the C report off for good.) */
 static int debug_may_log(void) {
     PyObject *environ = PyObject_GetAttr(os_module, s_environ);
     int out = 1;
-    if (environ == os_environ) {
+    if (environ && (PyObject *)Py_TYPE(environ) == environ_type) {
         PyObject *data = PyObject_GetAttr(environ, s_data);
         PyObject *raw = data && PyDict_CheckExact(data) ? PyDict_GetItemWithError(data, b_debug) : NULL;
         if (data && PyDict_CheckExact(data) && !raw && !PyErr_Occurred())
