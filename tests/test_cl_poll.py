@@ -887,38 +887,24 @@ async def test_a_round_trip_completed_after_the_device_failed_fails_with_its_err
     await out.free()
 
 
+@pytest.mark.parametrize("how", ["set", "in a replaced os.environ"])
 async def test_a_round_trip_is_reported_in_python_with_debug_logging(
     ring: tuple[CLDevice, DriverQueue, CLQueue],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    how: str,
 ) -> None:
-    """DEBUG=2 logs every completed launch: the C report declines and Python's logs it."""
+    """DEBUG=2 logs every completed launch: the C report declines and Python's logs it. DEBUG
+    is read from ``os.environ`` as Python reads it: with the mapping replaced (as a test may),
+    the C report cannot read it and leaves the report to Python too."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)
     python_runs = _PythonRuns(monkeypatch)
-    monkeypatch.setenv("DEBUG", "2")
-    with caplog.at_level("DEBUG", logger="aiotinyrt"), anyio.fail_after(30):
-        sig = prog(out)
-        await sig
-    assert python_runs.values == [sig.value]
-    assert f"{queue.timeline.label}@{sig.value}: launch" in caplog.text
-    monkeypatch.setenv("DEBUG", "0")
-    await out.free()
-
-
-async def test_a_round_trip_is_reported_in_python_when_os_environ_was_replaced(
-    ring: tuple[CLDevice, DriverQueue, CLQueue],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """DEBUG is read from ``os.environ`` as Python reads it: with the mapping replaced (as a
-    test may), the C report cannot read it and leaves the report to Python, which logs."""
-    dev, queue, driver = ring
-    prog, out = await _inc_held_a_minute(dev, driver)
-    await _c_report(driver, prog, out)
-    python_runs = _PythonRuns(monkeypatch)
-    monkeypatch.setattr(os, "environ", {**os.environ, "DEBUG": "2"})
+    if how == "set":
+        monkeypatch.setenv("DEBUG", "2")
+    else:
+        monkeypatch.setattr(os, "environ", {**os.environ, "DEBUG": "2"})
     with caplog.at_level("DEBUG", logger="aiotinyrt"), anyio.fail_after(30):
         sig = prog(out)
         await sig
