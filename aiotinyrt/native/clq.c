@@ -32,6 +32,17 @@
    most instead. An event still pending after that is waited for in the driver (a long kernel
    costs no wake-ups), and so is every event once somebody waits: reported at once.
 
+   Naps. A waiter that finds the ring empty does not wait for the next push at once: for
+   CLQ_NAPS times CLQ_POLL_NS after the last push it naps (a timed wait, `polling` set, so
+   clq_set_wake wakes it), and only a push it must act on at once wakes it: a Python command,
+   or any command while somebody waits for the queue. Otherwise it finds what was pushed when
+   its nap ends, as it finds completions while nobody waits. A round trip's command is taken
+   by its awaiting thread's poll, so a waiter woken at each push only looked at a pending
+   event and slept again, on 2 cores shared with the driver's worker and the loop; napping,
+   it wakes once per CLQ_POLL_NS at most while round trips go on, and waits untimed (a push
+   wakes it) once CLQ_NAPS naps passed without one. A new gate still wakes it when its nap
+   would end after the gate's time (clq_gate).
+
    Two takers (clq_poll, in clq_poll.c). A caller about to wait for a command it just
    submitted (the loop thread's `await` of a launch on an idle queue) may wait for it itself,
    briefly: it spins on
@@ -166,7 +177,11 @@ static int clq_add(clq_t *q, void *event, int64_t tag, int urgent, void *obj, in
         q->ring[(q->head + q->count) % q->cap] = (struct slot){event, tag, urgent, obj};
         q->count++;
         if (urgent) q->urgent_count++;
-        if (q->idle) pthread_cond_signal(&q->more); /* (a waiter in a timed wait looks by itself) */
+        q->naps = 0;
+        if (q->idle || (q->napping && (urgent || atomic_load(&q->wake) != CLQ_NO_WAKE))) {
+            q->push_wakes++;
+            pthread_cond_signal(&q->more); /* (a waiter in a timed wait looks by itself) */
+        }
     }
     pthread_mutex_unlock(&q->lock);
     return out;
@@ -188,6 +203,9 @@ int clq_hand(clq_t *q, void *event, int64_t tag, void *obj) { return clq_add(q, 
 /* How many times the waiter looks at one oldest event while nobody waits, before it waits for
    it in the driver (see "Nobody waits" at the top). */
 #define CLQ_LOOKS 4
+/* How many naps of CLQ_POLL_NS the waiter takes with the ring empty after the last push, before
+   it waits untimed (see "Naps" at the top). */
+#define CLQ_NAPS 4
 
 CLQ_HIDDEN void clq_after(struct timespec *t, long ns) {
     clock_gettime(CLOCK_MONOTONIC, t);
@@ -332,6 +350,15 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
                     atomic_store(&q->polling, 1); /* (clq_set_wake sets the gate and wakes it) */
                     q->until = next = q->gate_due;
                     pthread_cond_timedwait(&q->more, &q->lock, &next);
+                    atomic_store(&q->polling, 0);
+                } else if (q->count == 0 && !q->closed && q->naps < CLQ_NAPS) {
+                    q->naps++; /* (a nap: see "Naps" at the top) */
+                    atomic_store(&q->polling, 1); /* (clq_set_wake wakes it) */
+                    clq_after(&next, CLQ_POLL_NS);
+                    q->until = next;
+                    q->napping = 1;
+                    pthread_cond_timedwait(&q->more, &q->lock, &next);
+                    q->napping = 0;
                     atomic_store(&q->polling, 0);
                 } else if (q->count == 0 && !q->closed) {
                     q->idle = 1;
@@ -483,6 +510,22 @@ void *clq_find(clq_t *q, int64_t tag) {
     }
     pthread_mutex_unlock(&q->lock);
     return out;
+}
+
+/* How many pushes woke the waiter (tests, statistics). */
+long clq_push_wakes(clq_t *q) {
+    pthread_mutex_lock(&q->lock);
+    long n = q->push_wakes;
+    pthread_mutex_unlock(&q->lock);
+    return n;
+}
+
+/* 1 while the waiter naps, 2 while it waits untimed for a push, else 0 (tests, statistics). */
+int clq_resting(clq_t *q) {
+    pthread_mutex_lock(&q->lock);
+    int n = q->napping ? 1 : q->idle ? 2 : 0;
+    pthread_mutex_unlock(&q->lock);
+    return n;
 }
 
 /* 1 while a batch waits for its gate (tests, statistics). */

@@ -62,6 +62,10 @@ struct clq {
     _Atomic int polling;
     _Atomic int64_t wake;
     int idle;    /* the waiter waits (untimed) for an event to be handed over: a push wakes it */
+    int napping; /* the waiter naps (a timed wait, see "Naps" in clq.c): only an urgent push, or one
+                    somebody waits for, wakes it */
+    int naps;    /* its naps since the last push */
+    long push_wakes; /* the pushes that woke it (tests, statistics) */
     size_t urgent_count; /* urgent slots in the ring */
     cl_event looked_at;  /* the oldest event the waiter looked at while nobody waited ... */
     int looks;           /* ... and how many times (see "Nobody waits" at the top) */
