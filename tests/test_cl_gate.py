@@ -6,6 +6,7 @@ the device; a command enqueued while somebody waits goes at once."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -182,3 +183,56 @@ def _after_the_user_event(user: object) -> object:
         return event[0]
 
     return marker
+
+
+async def test_a_launch_right_after_an_await_of_the_newest_launch_goes_to_the_device_at_once(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """A launch round trip: the await claimed the newest command handed over, a repeat launch,
+    so the next launch skips the gate (its claim of its own keeps the waiter off it as the gate
+    would: a thread's wait ends that claim as it would set a gate). Once: the launch after one
+    waited for without a claim opens a batch again."""
+    dev, _, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)  # (the program's repeat launch made)
+    driver.gate(LONG_US)  # (and no round trip's rule carried over)
+    sig = prog(out)
+    assert driver.gated()
+    with anyio.fail_after(20):
+        await sig
+    direct = prog(out)
+    assert not driver.gated()
+    with anyio.fail_after(20):
+        await anyio.to_thread.run_sync(direct.wait_blocking, 20)
+    again = prog(out)
+    assert driver.gated()
+    with anyio.fail_after(20):
+        await again
+    assert (await out.numpy())[0] == 4
+    await out.free()
+
+
+async def test_a_direct_launch_nobody_awaits_is_reported_at_the_gates_time(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """The direct launch's own claim lasts the gate's time (20 ms here), then the waiter
+    reports it; nobody waits for it (a waiter registered would end the claim): ``done()`` is
+    polled from a thread."""
+    dev, _, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)
+    driver.gate(20_000)
+    await prog(out)
+    direct = prog(out)
+    assert not driver.gated() and driver._native.clq_claims(driver._ring) == 1
+
+    def seen_done() -> bool:
+        deadline = time.monotonic() + 20
+        while not direct.done() and time.monotonic() < deadline:
+            time.sleep(0.001)  # (a poll of done(), as a caller without an await makes)
+        return direct.done()
+
+    assert await anyio.to_thread.run_sync(seen_done)
+    await out.free()

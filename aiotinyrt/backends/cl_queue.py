@@ -26,7 +26,9 @@
   queue or ``CL_GATE_US`` (default 50) microseconds after the batch opened (none opens while
   the newest command handed over has not completed: the device has work); PoCL's enqueue
   costs several times more when it has to wake its workers for each command (clq.c tells the
-  whole rule). ``CL_GATE_US=0`` hands every command to the device at once.
+  whole rule). The command after a launch that was awaited as soon as it was made (a round
+  trip) goes to the device at once, its report left to its await's poll for as long.
+  ``CL_GATE_US=0`` hands every command to the device at once.
 - **Await** (the native ring only): the awaiting thread may take a command's completion
   itself (``poll``, clq.c's "Two takers"). ``await sig`` first claims the command (``claim``:
   its batch goes to the device), makes the checkpoint every await makes while the device runs

@@ -66,6 +66,11 @@ struct clq {
                     somebody waits for, wakes it */
     int naps;    /* its naps since the last push */
     long push_wakes; /* the pushes that woke it (tests, statistics) */
+    int direct;  /* the newest command handed over, a repeat launch, was claimed or polled for:
+                    the next command goes to the device at once (see "Gates" in clq.c) ... */
+    int64_t direct_claim; /* ... with a claim of its own, which its await's clq_claim takes over;
+                             `directed` tells clq_set_wake without the lock that there is one */
+    _Atomic int directed;
     size_t urgent_count; /* urgent slots in the ring */
     cl_event looked_at;  /* the oldest event the waiter looked at while nobody waited ... */
     int looks;           /* ... and how many times (see "Nobody waits" at the top) */
@@ -94,6 +99,10 @@ CLQ_HIDDEN void clq_open_locked(clq_t *q);
 /* *t = now + ns on the monotonic clock; whether a is before b. */
 CLQ_HIDDEN void clq_after(struct timespec *t, long ns);
 CLQ_HIDDEN int clq_before(const struct timespec *a, const struct timespec *b);
+/* Count a claim until `due` (or take over claim `adopt`), caller holds the lock (clq_poll.c). */
+CLQ_HIDDEN int64_t clq_count_claim(clq_t *q, const struct timespec *due, int64_t adopt);
+/* End a direct launch's claim not taken over yet, if any; caller holds the lock (clq_poll.c). */
+CLQ_HIDDEN void clq_end_direct(clq_t *q);
 /* Read an event's outcome: 1 completed (or reading failed), 0 not yet (see clq.c). */
 CLQ_HIDDEN int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds);
 

@@ -26,6 +26,15 @@ static long clq_pollable(clq_t *q, cl_event event, int64_t tag) {
     return -1;
 }
 
+static int clq_end_claim(clq_t *q, int64_t claim);
+
+/* Whether the command `ahead` commands from the ring's head is the newest one handed over
+   and a repeat launch (handed over with its Signal, clq_hand): a launch awaited as soon as it
+   was made, whose queue's next command goes to the device at once (see "Gates" in clq.c). */
+static int clq_newest_launch(clq_t *q, long ahead) {
+    return (size_t)ahead + 1 == q->count && q->ring[(q->head + (size_t)ahead) % q->cap].obj != NULL;
+}
+
 /* A caller about to poll for a command (as clq_poll: its event at `event_address`, or with 0
    the one pushed under `tag`) after something else first (the loop thread's checkpoint): the
    command's batch goes to the device now, and the waiter leaves completed events to the
@@ -36,23 +45,39 @@ static long clq_pollable(clq_t *q, cl_event event, int64_t tag) {
    ending one of those is a no-op, so a late poll never ends a newer claim. */
 int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
     if (clq_forked(q)) return 0;
-    struct timespec due, now;
+    struct timespec due;
     clq_after(&due, ns);
     int64_t out = 0;
     pthread_mutex_lock(&q->lock);
-    if (clq_pollable(q, (cl_event)event_address, tag) >= 0) {
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if (q->claims && !clq_before(&now, &q->claim_due)) {
-            q->claims = 0;
-            q->claim_floor = q->claim_last;
-        }
-        if (!q->claims || clq_before(&q->claim_due, &due)) q->claim_due = due;
-        q->claims++;
-        out = ++q->claim_last;
+    long ahead = clq_pollable(q, (cl_event)event_address, tag);
+    if (ahead >= 0) {
+        int64_t adopt = clq_newest_launch(q, ahead) ? q->direct_claim : 0;
+        if (!adopt) clq_end_direct(q); /* (this claim keeps the waiter off instead) */
+        out = clq_count_claim(q, &due, adopt);
+        q->direct_claim = 0;
+        atomic_store(&q->directed, 0);
+        q->direct = clq_newest_launch(q, ahead);
         clq_open_locked(q); /* (the waiter needs no wake-up: it leaves the command to the caller) */
     }
     pthread_mutex_unlock(&q->lock);
     return out;
+}
+
+/* Count a claim lasting until `due` at least (caller holds the lock) and return its number; or
+   with `adopt`, the number of a claim counted before (a direct launch's, see clq_gate), which
+   counts on with that time if it still counts. Once the latest claim's time passed, the next
+   one counts none of the earlier ones any more. */
+CLQ_HIDDEN int64_t clq_count_claim(clq_t *q, const struct timespec *due, int64_t adopt) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (q->claims && !clq_before(&now, &q->claim_due)) {
+        q->claims = 0;
+        q->claim_floor = q->claim_last;
+    }
+    if (!q->claims || clq_before(&q->claim_due, due)) q->claim_due = *due;
+    if (adopt > q->claim_floor) return adopt;
+    q->claims++;
+    return ++q->claim_last;
 }
 
 /* End claim `claim` (caller holds the lock): 1 if it still counted. */
@@ -60,6 +85,15 @@ static int clq_end_claim(clq_t *q, int64_t claim) {
     if (claim <= q->claim_floor || q->claims <= 0) return 0;
     q->claims--;
     return 1;
+}
+
+/* End the claim of the direct launch whose await's claim has not taken it over, if any
+   (caller holds the lock; see clq_gate). */
+CLQ_HIDDEN void clq_end_direct(clq_t *q) {
+    if (q->direct_claim && clq_end_claim(q, q->direct_claim))
+        pthread_cond_broadcast(&q->token); /* (a waiter waiting for the claim's end looks again) */
+    q->direct_claim = 0;
+    atomic_store(&q->directed, 0);
 }
 
 /* End claim `claim` without polling (its caller gave up): the waiter goes on at once. */
@@ -101,6 +135,8 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t cl
         event = q->ring[(q->head + (size_t)ahead) % q->cap].event;
         q->retain(event);
     }
+    if (!claimed && clq_newest_launch(q, ahead)) clq_end_direct(q); /* (this poll takes it) */
+    q->direct = clq_newest_launch(q, ahead);
     q->poller++; /* (the waiter leaves the event it woke for to this call) */
     clq_open_locked(q);
     pthread_mutex_unlock(&q->lock);
