@@ -1,7 +1,7 @@
 """The CL waiter's naps (aiotinyrt/native/clq.c, "Naps"): for a while after each push, a waiter
 that found its ring empty waits with a time limit, and a push wakes it only when it must act
-at once (a Python command, or a command somebody waits for); otherwise it looks at the ring
-when its nap ends. Nothing handed over in a nap is lost."""
+at once (a Python command, or any push while somebody waits for the queue); otherwise it
+looks at the ring when its nap ends. Nothing handed over in a nap is lost."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ async def test_round_trips_do_not_wake_the_waiter_at_each_push(
 ) -> None:
     """Each await takes its launch itself (a poll), so the waiter finds the ring empty and
     naps; the next launch's push leaves it napping. It wakes for a push only after a millisecond
-    without one (4 naps), which a loaded machine's pause between two round trips may make."""
+    without one (4 naps, or fewer when other signals cut them short), which a loaded machine's
+    pause between two round trips may make."""
     dev, _, driver = ungated
     prog = await dev.program("inc", INC)
     out = await int_buffer(dev.name)
@@ -54,7 +55,7 @@ async def test_round_trips_do_not_wake_the_waiter_at_each_push(
     with anyio.fail_after(60):
         for _ in range(ROUND_TRIPS):
             await prog(out)
-    assert _push_wakes(driver) - before < ROUND_TRIPS // 10
+    assert _push_wakes(driver) - before < ROUND_TRIPS // 4
     assert (await out.numpy())[0] == ROUND_TRIPS
     await out.free()
 
@@ -86,21 +87,21 @@ async def test_a_launch_nobody_waits_for_is_reported_after_a_nap(
 async def test_a_python_command_pushed_while_the_waiter_naps_wakes_it(
     ungated: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:
-    """Only the waiter runs a Python command: its push wakes a napping waiter, counted. (Once
-    the ring is empty the waiter is napping or, a millisecond after the last push, waiting
-    untimed; either way the push wakes it.)"""
+    """Only the waiter runs a Python command: its push wakes a napping waiter, counted. The
+    push is made while the waiter naps (a launch's await, then the test spins until the waiter
+    rests and tries again if it found it waiting untimed: a millisecond without a push)."""
     dev, queue, driver = ungated
     prog = await dev.program("inc", INC)
     out = await int_buffer(dev.name)
-    await prog(out)  # (a push: the waiter naps)
-
-    def resting() -> bool:
+    for _ in range(100):
+        await prog(out)  # (a push: the waiter naps again)
         deadline = time.monotonic() + 20
         while not driver._native.clq_resting(driver._ring) and time.monotonic() < deadline:
-            time.sleep(0.0001)
-        return bool(driver._native.clq_resting(driver._ring))
-
-    assert await anyio.to_thread.run_sync(resting)
+            pass
+        if driver._native.clq_resting(driver._ring) == 1:
+            break
+    else:
+        pytest.fail("the waiter was never found napping")
     before = _push_wakes(driver)
     ran: list[int] = []
     sig = queue.submit(lambda: ran.append(threading.get_ident()), ())

@@ -953,3 +953,30 @@ anyio.run(main)
     if "no C report" in done.stdout:
         pytest.skip("the extension module (aiotinyrt.native._hostq) is not built: no poll's report in C")
     assert "reported in C: 5" in done.stdout, done.stdout + done.stderr
+
+
+async def test_a_direct_launch_nobody_awaits_leaves_the_waiters_holds_alone_once_its_time_passed(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a round trip, a launch nobody awaits goes to the device at once with a claim of
+    its own, which nobody ends (counted until the next claim). Once the gate's time (50 us)
+    passed, that claim no longer ends the waiter's holds: launches made 300 us apart, nobody
+    waiting, come back a few per report (one hold lasts up to 1 ms), not one per report."""
+    dev, queue, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)
+    driver.gate(50)
+    await prog(out)
+    prog(out)  # (direct, with its claim)
+    assert driver._native.clq_claims(driver._ring) == 1
+    reports = _Reports(monkeypatch, queue.driver)
+    n = 40
+    for _ in range(n):
+        time.sleep(0.0003)  # (pacing: a producer slower than the device, nobody waiting)
+        prog(out)
+    with anyio.fail_after(30):
+        await dev.synchronize()
+    assert len(reports.threads) < n * 7 // 10
+    assert (await out.numpy())[0] == n + 3
+    await out.free()

@@ -22,11 +22,14 @@
    awake). So does the command after a launch round trip's: once an await claimed or polled
    for the newest command handed over and that was a repeat launch (clq_newest_launch: the
    caller awaits each launch as it makes it), the next command skips the gate (`direct`, for
-   one command). It gets a claim of its own instead (`direct_claim`, lasting gate_ns): the
-   waiter leaves its completion to the await's poll as a gate would have held it, and the
-   await's clq_claim takes that claim over. It ends, as a gate is set, when somebody waits
-   for the queue (clq_set_wake), and also with the next claim, poll or direct command, a new
-   gating setting, or its time. Measured with the waiter napping (below), pairs alternating
+   one command). It gets a claim of its own instead (`direct_claim`, for gate_ns; claims
+   share one time, the latest of those counted): the waiter leaves its completion to the
+   await's poll as a gate would have held it, and the await's clq_claim of it takes that
+   claim over. It ends, as a gate is set, when somebody waits for the queue (clq_set_wake),
+   and also with a claim of another command, a poll without a claim of the newest launch, the
+   next direct command or a new gating setting (clq_end_direct). One whose time passed counts
+   until the next claim is counted, as any claim, but no longer ends the waiter's holds
+   (clq_claimed). Measured with the waiter napping (below), pairs alternating
    in one process: 34-41 us per round trip against 38-54 with a batch of one per command
    whose gate the await sets (asyncio), 44-50 against 49-56 (trio); the claim's set of the
    gate wakes PoCL's workers as the direct enqueue does, after a user event and a gated
@@ -44,7 +47,8 @@
    Naps. A waiter that finds the ring empty does not wait for the next push at once: for
    CLQ_NAPS times CLQ_POLL_NS after the last push it naps (a timed wait, `polling` set, so
    clq_set_wake wakes it), and only a push it must act on at once wakes it: a Python command,
-   or any command while somebody waits for the queue. Otherwise it finds what was pushed when
+   or any push while somebody waits for the queue. (Any other signal of `more` ends a nap
+   early too, and counts as one.) Otherwise it finds what was pushed when
    its nap ends, as it finds completions while nobody waits. A round trip's command is taken
    by its awaiting thread's poll, so a waiter woken at each push only looked at a pending
    event and slept again, on 2 cores shared with the driver's worker and the loop; napping,
@@ -191,7 +195,7 @@ static int clq_add(clq_t *q, void *event, int64_t tag, int urgent, void *obj, in
         q->naps = 0;
         if (q->idle || (q->napping && (urgent || atomic_load(&q->wake) != CLQ_NO_WAKE))) {
             q->push_wakes++;
-            pthread_cond_signal(&q->more); /* (a waiter in a timed wait looks by itself) */
+            pthread_cond_signal(&q->more); /* (a napping or other timed wait looks by itself) */
         }
     }
     pthread_mutex_unlock(&q->lock);
@@ -235,7 +239,8 @@ CLQ_HIDDEN int clq_before(const struct timespec *a, const struct timespec *b) {
 /* Call before enqueuing a command: the gate it must wait for (put it in its wait list, then
    release it: the ring keeps its own reference), when it opens a batch; NULL when it joins the
    open batch (the in-order queue puts it behind the batch's first command), or goes to the
-   device at once (somebody waits for the queue, gating is off or failed, the queue closed).
+   device at once (somebody waits for the queue, gating is off or failed, the queue closed, a
+   launch round trip's command: then with a claim of its own, see "Gates" at the top).
    The caller serializes its calls with its pushes (its submit lock). */
 void *clq_gate(clq_t *q) {
     if (!q->gate_ns || clq_forked(q)) return NULL;
@@ -308,6 +313,12 @@ CLQ_HIDDEN int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds)
         q->profiling_info(ev, CL_PROFILING_COMMAND_END, sizeof t[1], &t[1], NULL) == 0)
         *seconds = t[1] > t[0] ? (double)(t[1] - t[0]) * 1e-9 : 0.0;
     return 1;
+}
+
+/* Whether a claim counts at `now` (caller holds the lock): one whose time passed still counts
+   until the next claim is counted (clq_count_claim), but it no longer ends a hold. */
+static int clq_claimed(const clq_t *q, const struct timespec *now) {
+    return q->claims > 0 && clq_before(now, &q->claim_due);
 }
 
 /* The waiter's wait for the token after its wait for the oldest event (caller holds the lock):
@@ -474,7 +485,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             return 0;
         }
         clock_gettime(CLOCK_MONOTONIC, &next);
-        if (now_please || done == max || q->closed || q->poller || q->claims || !clq_before(&next, &due) ||
+        if (now_please || done == max || q->closed || q->poller || clq_claimed(q, &next) || !clq_before(&next, &due) ||
             (q->count > 0 && q->ring[q->head].urgent))
             break;
         atomic_store(&q->polling, 1);
@@ -489,14 +500,16 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
         q->until = next;
         pthread_cond_timedwait(&q->more, &q->lock, &next);
         atomic_store(&q->polling, 0);
-        if (q->poller || q->claims) break; /* (what completed meanwhile is the poller's or claimant's) */
+        clock_gettime(CLOCK_MONOTONIC, &next);
+        if (q->poller || clq_claimed(q, &next)) break; /* (what completed meanwhile is theirs) */
     }
     pthread_mutex_unlock(&q->lock);
     return done;
 }
 
 /* The smallest value a caller waits for (CLQ_NO_WAKE: none): while there is one, clq_wait()
-   returns what it took without holding it. Nothing in a forked child (no waiter runs there). */
+   returns what it took without holding it, and no batch's gate or direct command's claim
+   holds anything back. Nothing in a forked child (no waiter runs there). */
 void clq_set_wake(clq_t *q, int64_t wake) {
     atomic_store(&q->wake, wake); /* (no lock: the submitting thread sets it per wait) */
     if (wake == CLQ_NO_WAKE ||
@@ -539,6 +552,7 @@ void *clq_find(clq_t *q, int64_t tag) {
 
 /* How many pushes woke the waiter (tests, statistics). */
 long clq_push_wakes(clq_t *q) {
+    if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
     long n = q->push_wakes;
     pthread_mutex_unlock(&q->lock);
@@ -547,6 +561,7 @@ long clq_push_wakes(clq_t *q) {
 
 /* 1 while the waiter naps, 2 while it waits untimed for a push, else 0 (tests, statistics). */
 int clq_resting(clq_t *q) {
+    if (clq_forked(q)) return 0;
     pthread_mutex_lock(&q->lock);
     int n = q->napping ? 1 : q->idle ? 2 : 0;
     pthread_mutex_unlock(&q->lock);

@@ -55,15 +55,16 @@ struct clq {
     struct slot *ring; /* a circular buffer of cap slots: count events from head */
     size_t cap, head, count;
     int closed;
-    /* clq_wait() holds taken results in a timed wait (clq_set_wake wakes it), and the smallest
+    /* clq_wait() holds taken results, looks at a pending event or naps in a timed wait
+       (clq_set_wake wakes it), and the smallest
        value a caller waits for (CLQ_NO_WAKE: none). Stored and then the other loaded, both
        sequentially consistent: either the waiter sees the wake before it sleeps, or the setter
        sees it polling and signals under the lock (which the waiter holds until it sleeps). */
     _Atomic int polling;
     _Atomic int64_t wake;
     int idle;    /* the waiter waits (untimed) for an event to be handed over: a push wakes it */
-    int napping; /* the waiter naps (a timed wait, see "Naps" in clq.c): only an urgent push, or one
-                    somebody waits for, wakes it */
+    int napping; /* the waiter naps (a timed wait, see "Naps" in clq.c): only an urgent push, or any
+                    push while somebody waits for the queue, wakes it */
     int naps;    /* its naps since the last push */
     long push_wakes; /* the pushes that woke it (tests, statistics) */
     int direct;  /* the newest command handed over, a repeat launch, was claimed or polled for:

@@ -42,7 +42,10 @@ static int clq_newest_launch(clq_t *q, long ahead) {
    to the clq_poll or the clq_unclaim that ends it, once), or 0 (nothing done: no such command
    the poll could wait for). Claims are counted; once the latest one's time passed, the next
    claim counts none of them any more (one whose caller raised before its poll ends there), and
-   ending one of those is a no-op, so a late poll never ends a newer claim. */
+   ending one of those is a no-op, so a late poll never ends a newer claim. A claim of the
+   newest command handed over, a repeat launch, takes over the claim of its direct launch if
+   that one still counts (its number is returned), and sets `direct` (see "Gates" in clq.c);
+   a claim of another command ends that claim. */
 int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
     if (clq_forked(q)) return 0;
     struct timespec due;
@@ -115,7 +118,8 @@ void clq_unclaim(clq_t *q, int64_t claim) {
    the number taken (the caller reports them, then calls clq_reported), or 0 (nothing taken:
    the event did not complete in time, the waiter took it, or the prefix starts with an
    urgent event; nothing to report). `claim`: the number of the caller's clq_claim() that ends
-   here, or 0. */
+   here, or 0. A poll for the newest command handed over, a repeat launch, sets `direct`, and
+   without a claim that still counts also ends that command's direct claim (clq.c, "Gates"). */
 int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t claim, int max, int32_t *status,
              double *seconds, int64_t *tags, void **objs) {
     cl_event event = (cl_event)event_address;
