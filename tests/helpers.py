@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,35 @@ def cl_ring(without: str) -> tuple[Any, Any, Any]:
     if driver._ring is None:
         pytest.skip(f"NATIVE_QUEUE=0: no completion ring, so no {without}")
     return dev, queue, driver
+
+
+async def seen_done(sig: Signal, seconds: float = 20) -> bool:
+    """Whether ``sig`` is seen done within ``seconds``, its ``done()`` polled every millisecond
+    from a worker thread, as a caller without an await polls it (no waiter registered on its
+    timeline, which would wake a driver's waiter thread itself)."""
+
+    def poll() -> bool:
+        deadline = time.monotonic() + seconds
+        while not sig.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return sig.done()
+
+    return await anyio.to_thread.run_sync(poll)
+
+
+async def direct_launch(dev: Any, driver: Any, gate_us: int) -> tuple[Program, Buffer, Signal]:
+    """On CL ``dev`` with the compute queue's ``driver``: an ``out[0] += 1`` program, a zeroed
+    int, and a launch of it made right after a launch round trip (two made and awaited, the
+    second with batches held ``gate_us``), which goes to the device at once with a claim of its
+    own (aiotinyrt/native/clq.c, "Gates"); checked: no batch held, one claim counted."""
+    prog = await dev.program("inc", "__kernel void inc(__global int* out) { out[0] += 1; }")
+    out = await int_buffer(dev.name)
+    await prog(out)  # (the program's repeat launch made)
+    driver.gate(gate_us)
+    await prog(out)
+    direct = prog(out)
+    assert not driver.gated() and driver._native.clq_claims(driver._ring) == 1
+    return prog, out, direct
 
 
 async def int_buffer(device: str, value: int = 0, size: int = 1) -> Buffer:

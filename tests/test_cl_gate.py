@@ -6,7 +6,6 @@ the device; a command enqueued while somebody waits goes at once."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -16,7 +15,7 @@ from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
 from aiotinyrt.driverqueue import DriverQueue
-from tests.helpers import cl_ring, int_buffer
+from tests.helpers import cl_ring, direct_launch, int_buffer, seen_done
 
 pytestmark = pytest.mark.anyio
 
@@ -216,23 +215,10 @@ async def test_a_launch_right_after_an_await_of_the_newest_launch_goes_to_the_de
 async def test_a_direct_launch_nobody_awaits_is_reported_at_the_gates_time(
     ring: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:
-    """The direct launch's own claim lasts the gate's time (20 ms here), then the waiter
-    reports it; nobody waits for it (a waiter registered would end the claim): ``done()`` is
-    polled from a thread."""
+    """The direct launch's own claim lasts the gate's time, here longer than 1 ms (20 ms),
+    then the waiter reports it; nobody waits for it (a waiter registered would end the claim):
+    ``done()`` is polled from a thread."""
     dev, _, driver = ring
-    prog = await dev.program("inc", INC)
-    out = await int_buffer(dev.name)
-    await prog(out)
-    driver.gate(20_000)
-    await prog(out)
-    direct = prog(out)
-    assert not driver.gated() and driver._native.clq_claims(driver._ring) == 1
-
-    def seen_done() -> bool:
-        deadline = time.monotonic() + 20
-        while not direct.done() and time.monotonic() < deadline:
-            time.sleep(0.001)  # (a poll of done(), as a caller without an await makes)
-        return direct.done()
-
-    assert await anyio.to_thread.run_sync(seen_done)
+    _, out, direct = await direct_launch(dev, driver, 20_000)
+    assert await seen_done(direct)
     await out.free()

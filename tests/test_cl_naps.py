@@ -15,7 +15,7 @@ import pytest
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice
 from aiotinyrt.driverqueue import DriverQueue
-from tests.helpers import cl_ring, int_buffer
+from tests.helpers import cl_ring, int_buffer, seen_done
 
 pytestmark = pytest.mark.anyio
 
@@ -72,13 +72,7 @@ async def test_a_launch_nobody_waits_for_is_reported_after_a_nap(
     await prog(out)  # (a push: the waiter naps)
     sigs = [prog(out) for _ in range(3)]
 
-    def seen_done() -> bool:
-        deadline = time.monotonic() + 20
-        while not sigs[-1].done() and time.monotonic() < deadline:
-            time.sleep(0.001)  # (a poll of done(), as a caller without an await makes)
-        return sigs[-1].done()
-
-    assert await anyio.to_thread.run_sync(seen_done)
+    assert await seen_done(sigs[-1])
     assert all(s.done() for s in sigs)
     assert (await out.numpy())[0] == 4
     await out.free()

@@ -24,7 +24,7 @@ from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.driverqueue import Done, DriverQueue
-from tests.helpers import cl_ring, int_buffer
+from tests.helpers import cl_ring, direct_launch, int_buffer, seen_done
 
 pytestmark = pytest.mark.anyio
 
@@ -604,13 +604,7 @@ async def test_a_claim_given_up_sends_the_waiter_on_at_once(
         scope.cancel()
         await sig
 
-    def seen_done() -> bool:
-        deadline = time.monotonic() + 20
-        while not sig.done() and time.monotonic() < deadline:
-            time.sleep(0.001)  # (a poll of done(), as a caller without an await makes)
-        return sig.done()
-
-    assert await anyio.to_thread.run_sync(seen_done)
+    assert await seen_done(sig)
     await out.free()
 
 
@@ -927,6 +921,7 @@ os.environ = {**real}
 dev = Device["CL"]
 os.environ = real
 driver = dev._compute_queue.driver
+driver._poll_ns = 60_000_000_000  # (a minute: only the report is under test, not the budget)
 async def main():
     prog = await dev.program("inc", "__kernel void inc(__global int* out) { out[0] += 1; }")
     out = await Buffer("CL", 1, dtypes.int32).allocate()
@@ -940,7 +935,7 @@ async def main():
     driver._c_poll = lambda *args: reported.append(c_poll(*args)) or reported[-1]
     for _ in range(5):
         await prog(out)
-    print("reported in C:", sum(1 for _, _, last in reported if last))
+    print("reported in C:", sum(1 for _, _, last in reported if last), "polls:", reported)
 anyio.run(main)
 """
     cl_ring("the poll's report in C")
@@ -959,17 +954,11 @@ async def test_a_direct_launch_nobody_awaits_leaves_the_waiters_holds_alone_once
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a round trip, a launch nobody awaits goes to the device at once with a claim of
-    its own, which nobody ends (counted until the next claim). Once the gate's time (50 us)
-    passed, that claim no longer ends the waiter's holds: launches made 300 us apart, nobody
+    its own, which nobody ends (counted until the next claim). Once its time (1 ms, longer than
+    the gate's 50 us) passed, that claim no longer ends the waiter's holds: launches made 300 us apart, nobody
     waiting, come back a few per report (one hold lasts up to 1 ms), not one per report."""
     dev, queue, driver = ring
-    prog = await dev.program("inc", INC)
-    out = await int_buffer(dev.name)
-    await prog(out)
-    driver.gate(50)
-    await prog(out)
-    prog(out)  # (direct, with its claim)
-    assert driver._native.clq_claims(driver._ring) == 1
+    prog, out, _ = await direct_launch(dev, driver, 50)
     reports = _Reports(monkeypatch, queue.driver)
     n = 40
     for _ in range(n):
