@@ -215,8 +215,8 @@ async def test_a_launch_right_after_an_await_of_the_newest_launch_goes_to_the_de
 async def test_a_direct_launch_nobody_awaits_is_reported_at_the_gates_time(
     ring: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:
-    """The direct launch's own claim lasts the gate's time, here longer than 1 ms (20 ms),
-    then the waiter reports it; nobody waits for it (a waiter registered would end the claim):
+    """The direct launch's own claim lasts the gate's time (20 ms here), then the waiter
+    reports it; nobody waits for it (a waiter registered would end the claim):
     ``done()`` is polled from a thread."""
     dev, _, driver = ring
     _, out, direct = await direct_launch(dev, driver, 20_000)

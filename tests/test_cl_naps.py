@@ -87,9 +87,9 @@ async def test_a_python_command_pushed_while_the_waiter_naps_wakes_it(
     dev, queue, driver = ungated
     prog = await dev.program("inc", INC)
     out = await int_buffer(dev.name)
+    deadline = time.monotonic() + 20
     for _ in range(100):
         await prog(out)  # (a push: the waiter naps again)
-        deadline = time.monotonic() + 20
         while not driver._native.clq_resting(driver._ring) and time.monotonic() < deadline:
             pass
         if driver._native.clq_resting(driver._ring) == 1:

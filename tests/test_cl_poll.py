@@ -954,8 +954,8 @@ async def test_a_direct_launch_nobody_awaits_leaves_the_waiters_holds_alone_once
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a round trip, a launch nobody awaits goes to the device at once with a claim of
-    its own, which nobody ends (counted until the next claim). Once its time (1 ms, longer than
-    the gate's 50 us) passed, that claim no longer ends the waiter's holds: launches made 300 us apart, nobody
+    its own, which nobody ends (counted until the next claim). Once its time (the gate's, 50 us)
+    passed, that claim no longer ends the waiter's holds: launches made 300 us apart, nobody
     waiting, come back a few per report (one hold lasts up to 1 ms), not one per report."""
     dev, queue, driver = ring
     prog, out, _ = await direct_launch(dev, driver, 50)

@@ -27,8 +27,8 @@
   the newest command handed over has not completed: the device has work); PoCL's enqueue
   costs several times more when it has to wake its workers for each command (clq.c tells the
   whole rule). The command after a launch that was awaited as soon as it was made (a round
-  trip) goes to the device at once, its report left to its await's poll for ``CL_GATE_US`` or
-  1 ms, the longer, at most.
+  trip) goes to the device at once, its report left to its await's poll for ``CL_GATE_US`` at
+  most, as long as a gate would have held the command back.
   ``CL_GATE_US=0`` hands every command to the device at once.
 - **Await** (the native ring only): the awaiting thread may take a command's completion
   itself (``poll``, clq.c's "Two takers"). ``await sig`` first claims the command (``claim``:

@@ -22,11 +22,11 @@
    awake). So does the command after a launch round trip's: once an await claimed or polled
    for the newest command handed over and that was a repeat launch (clq_newest_launch: the
    caller awaits each launch as it makes it), the next command skips the gate (`direct`, for
-   one command). It gets a claim of its own instead (`direct_claim`, for gate_ns or
-   CLQ_HOLD_NS, the longer: as long as a gate or a hold of completions nobody waits for would
-   have kept its report back; claims share one time, the latest of those counted): the waiter
-   leaves its completion to the await's poll, and the await's clq_claim of it takes that
-   claim over. It ends, as a gate is set, when somebody waits for the queue (clq_set_wake),
+   one command). It gets a claim of its own instead (`direct_claim`, for gate_ns, as long as
+   a gate would have held it back; claims share one time, the latest of those counted): the
+   waiter leaves its completion to the await's poll, and the await's clq_claim of it takes
+   that claim over. (A longer claim would hold back a Python command behind it, and a gate
+   opened while the waiter waits for the claim's end, that long.) It ends, as a gate is set, when somebody waits for the queue (clq_set_wake),
    and also with a claim of another command, a poll without a claim of the newest launch, the
    next direct command or a new gating setting (clq_end_direct). One whose time passed counts
    until the next claim is counted, as any claim, but no longer ends the waiter's holds
@@ -259,7 +259,7 @@ void *clq_gate(clq_t *q) {
     cl_int err = 0;
     int now_please = q->closed || q->blocked || atomic_load(&q->wake) != CLQ_NO_WAKE;
     if (q->direct && !now_please) { /* a launch round trip's (see "Gates" at the top) */
-        clq_after(&now, q->gate_ns > CLQ_HOLD_NS ? q->gate_ns : CLQ_HOLD_NS);
+        clq_after(&now, q->gate_ns);
         clq_end_direct(q);
         q->direct_claim = clq_count_claim(q, &now, 0);
         atomic_store(&q->directed, 1);
