@@ -916,12 +916,16 @@ def test_the_c_report_reads_debug_from_the_os_environ_of_the_moment() -> None:
     script = """
 import os, anyio
 from aiotinyrt import Buffer, Device, dtypes
+from aiotinyrt.backends import cl_queue
 real = os.environ
 os.environ = {**real}
 dev = Device["CL"]
 os.environ = real
 driver = dev._compute_queue.driver
-driver._poll_ns = 60_000_000_000  # (a minute: only the report is under test, not the budget)
+# (a minute's poll, claim and gate: only the report is under test, not who takes the command)
+driver._poll_ns = 60_000_000_000
+cl_queue._CLAIM_NS = 60_000_000_000
+driver.gate(60_000_000)
 async def main():
     prog = await dev.program("inc", "__kernel void inc(__global int* out) { out[0] += 1; }")
     out = await Buffer("CL", 1, dtypes.int32).allocate()

@@ -26,12 +26,12 @@
    a gate would have held it back; claims share one time, the latest of those counted): the
    waiter leaves its completion to the await's poll, and the await's clq_claim of it takes
    that claim over. (A longer claim would hold back a Python command behind it, and a gate
-   opened while the waiter waits for the claim's end, that long.) It ends, as a gate is set, when somebody waits for the queue (clq_set_wake),
-   and also with a claim of another command, a poll without a claim of the newest launch, the
-   next direct command or a new gating setting (clq_end_direct). One whose time passed counts
-   until the next claim is counted, as any claim, but no longer ends the waiter's holds
-   (clq_claimed). Measured with the waiter napping (below), pairs alternating
-   in one process: 34-41 us per round trip against 38-54 with a batch of one per command
+   opened while the waiter waits for the claim's end, that long.) It ends, as a gate is set,
+   when somebody waits for the queue (clq_set_wake), and also with a claim of another
+   command, a poll without a claim of the newest launch, the next direct command or a new
+   gating setting (clq_end_direct). One whose time passed counts until the next claim is
+   counted, as any claim, but no longer ends the waiter's holds (clq_claimed). Measured with
+   the waiter napping (below), pairs alternating in one process: 34-41 us per round trip against 38-54 with a batch of one per command
    whose gate the await sets (asyncio), 44-50 against 49-56 (trio); the claim's set of the
    gate wakes PoCL's workers as the direct enqueue does, after a user event and a gated
    enqueue that cost more. Without naps the direct enqueue measured slower.
@@ -49,8 +49,8 @@
    CLQ_NAPS times CLQ_POLL_NS after the last push it naps (a timed wait, `polling` set, so
    clq_set_wake wakes it), and only a push it must act on at once wakes it: a Python command,
    or any push while somebody waits for the queue. (Any other signal of `more` ends a nap
-   early too, and counts as one.) Otherwise it finds what was pushed when
-   its nap ends, as it finds completions while nobody waits. A round trip's command is taken
+   early too, and counts as one.) Otherwise it finds what was pushed when its nap ends, as it
+   finds completions while nobody waits. A round trip's command is taken
    by its awaiting thread's poll, so a waiter woken at each push only looked at a pending
    event and slept again, on 2 cores shared with the driver's worker and the loop; napping,
    it wakes once per CLQ_POLL_NS at most while round trips go on, and waits untimed (a push

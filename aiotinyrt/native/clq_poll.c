@@ -54,12 +54,13 @@ int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns) {
     pthread_mutex_lock(&q->lock);
     long ahead = clq_pollable(q, (cl_event)event_address, tag);
     if (ahead >= 0) {
-        int64_t adopt = clq_newest_launch(q, ahead) ? q->direct_claim : 0;
+        int newest = clq_newest_launch(q, ahead);
+        int64_t adopt = newest ? q->direct_claim : 0;
         if (!adopt) clq_end_direct(q); /* (this claim keeps the waiter off instead) */
         out = clq_count_claim(q, &due, adopt);
-        q->direct_claim = 0;
+        q->direct_claim = 0; /* (taken over, or ended above) */
         atomic_store(&q->directed, 0);
-        q->direct = clq_newest_launch(q, ahead);
+        q->direct = newest;
         clq_open_locked(q); /* (the waiter needs no wake-up: it leaves the command to the caller) */
     }
     pthread_mutex_unlock(&q->lock);
@@ -139,8 +140,8 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t cl
         event = q->ring[(q->head + (size_t)ahead) % q->cap].event;
         q->retain(event);
     }
-    if (!claimed && clq_newest_launch(q, ahead)) clq_end_direct(q); /* (this poll takes it) */
     q->direct = clq_newest_launch(q, ahead);
+    if (!claimed && q->direct) clq_end_direct(q); /* (this poll takes it) */
     q->poller++; /* (the waiter leaves the event it woke for to this call) */
     clq_open_locked(q);
     pthread_mutex_unlock(&q->lock);
