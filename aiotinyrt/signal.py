@@ -183,8 +183,10 @@ class Timeline:
         self._abandoned = ABANDONED_NEVER
         self._generation = fork_generation()  # the process (by fork generation) that runs it
         #: a driver-run queue's brief wait for command ``value`` in the awaiting thread, which
-        #: completes it there if it completes meanwhile (``Driver.poll``); None: no such wait
-        self.poll: Callable[..., None] | None = None
+        #: completes it there if it completes meanwhile (``Driver.poll``); it may return the
+        #: command's device seconds when it completed it without error (else None); None: no
+        #: such wait
+        self.poll: Callable[..., float | None] | None = None
         #: a driver-run queue's claim of command ``value`` for a ``poll(value, claim)`` of this
         #: thread after a checkpoint (the claim's number, 0: none; ``unclaim(claim)`` gives it
         #: up), if it offers one
@@ -424,7 +426,31 @@ class Signal:
         return self.timeline.elapsed_at(self.value) if elapsed is None else elapsed
 
     def __await__(self) -> Generator[Any, None, float]:
-        return self.wait().__await__()
+        # ``await sig`` without a timeout. The round trip of a driver-run queue that claims its
+        # commands (a CL launch awaited as soon as it was made) runs here, without the frames
+        # of wait() and _settle(): claim, checkpoint, poll. On an asyncio loop (uvloop too) the
+        # checkpoint is a bare ``yield``, which is what ``asyncio.sleep(0)``, and anyio's
+        # checkpoint there, come down to: the task runs again after one pass of the loop, and
+        # a cancellation is thrown in there. A poll that completed the command returns its
+        # device seconds; anything else goes on as wait() does, its checkpoint made.
+        timeline = self.timeline
+        claim = timeline.claim
+        if claim is not None and (loop := _running_loop()) is not None and _current_task(loop) is not None:
+            number = claim(self.value)
+            if number:
+                try:
+                    yield
+                except BaseException:
+                    assert timeline.unclaim is not None
+                    timeline.unclaim(number)
+                    raise
+                assert timeline.poll is not None
+                elapsed = timeline.poll(self.value, number)
+                if elapsed is not None:
+                    return elapsed
+                yield from self._settle(None, polled=True).__await__()
+                return self.result()
+        return (yield from self.wait().__await__())
 
     async def wait(self, timeout: float | None = None) -> float:
         """Wait until the command completes; return its device execution time in seconds.
@@ -486,11 +512,12 @@ class Signal:
                 waiter.callback = None
         return self.result()
 
-    async def _settle(self, timeout: float | None = None) -> None:
-        """Wait until done without raising the command's error (see :meth:`wait`)."""
+    async def _settle(self, timeout: float | None = None, polled: bool = False) -> None:
+        """Wait until done without raising the command's error (see :meth:`wait`); ``polled``:
+        the caller claimed the command, made its checkpoint and polled (``__await__``)."""
         timeline, value = self.timeline, self.value
-        checked = False  # (the checkpoint made)
-        if timeline.completed < value and timeline.poll is not None:  # a driver-run queue
+        checked = polled  # (the checkpoint made)
+        if not polled and timeline.completed < value and timeline.poll is not None:  # a driver-run queue
             claim = 0 if timeline.claim is None else timeline.claim(value)
             if claim:
                 # The checkpoint first, while the device runs the command (the claim sent it),
@@ -536,6 +563,11 @@ class Signal:
         finally:
             waiter.callback = None
 
+
+#: The running asyncio loop of this thread (None: none, as under trio) and a loop's current
+#: task: ``Signal.__await__`` yields bare to asyncio's tasks only.
+_running_loop = asyncio._get_running_loop
+_current_task = asyncio.current_task
 
 #: How long ``await sig`` polls a native queue before registering a waiter (seconds; env
 #: ``WAIT_POLL_US``, default 10). Read once at import.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import queue
 import statistics
@@ -276,9 +277,9 @@ async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> N
     """A round trip in two halves (medians of m): from the launch to the report of its
     completion (the await's checkpoint comes before the report: the claim's), and from the
     report to the awaiting task running again; and how many of the
-    reports the awaiting thread made itself (its poll, CLQueue.poll). A repeat launch made in
-    C is reported by the poll's C call (``cl_poll``) or with ``DriverQueue._report_run``, any
-    other command with ``report``."""
+    reports the awaiting thread made itself (its poll). A repeat launch made in C is reported
+    by the timeline's poll in C (clfast.c's ``cl_poll_for``) or with
+    ``DriverQueue._report_run``, any other command with ``report``."""
     reported = [0.0]
     report, run = cl_queue.report, DriverQueue._report_run
     here, by_awaiter = threading.get_ident(), [0]
@@ -295,19 +296,13 @@ async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> N
         stamp()
         run(queue, sigs)
 
-    if driver._settle is None and driver._poll_out is not None:  # (None: no native ring)
-        driver._settle_args(driver._poll_out)
-    c_poll = driver._c_poll
-
-    def stamped_c_poll(*args: Any) -> tuple[int, int, int]:
-        out = c_poll(*args)
-        if out[2]:  # (it reported in C)
-            stamp()
-        return out  # type: ignore[no-any-return]
-
+    timeline = driver.owner.timeline
+    poll = timeline.poll
+    if isinstance(poll, functools.partial):  # (clfast.c's cl_poll_for: its fifth item is called
+        # at each report it makes in C)
+        timeline.poll = functools.partial(poll.func, (*poll.args[0][:4], lambda first, last: stamp()))
     cl_queue.report = stamped  # type: ignore[assignment]
     DriverQueue._report_run = stamped_run  # type: ignore[method-assign]
-    driver._c_poll = stamped_c_poll
     try:
         to_report, to_task = [], []
         for _ in range(m):
@@ -318,7 +313,7 @@ async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> N
     finally:
         cl_queue.report = report
         DriverQueue._report_run = run  # type: ignore[method-assign]
-        driver._c_poll = c_poll
+        timeline.poll = poll
     s.add("aiotinyrt|round trip: launch to the report (us)", statistics.median(to_report) * 1e6)
     s.add("aiotinyrt|round trip: the report to the task running (us)", statistics.median(to_task) * 1e6)
     s.add("aiotinyrt|round trip: reported by the awaiting thread (%)", by_awaiter[0] / m * 100)

@@ -6,6 +6,8 @@ command does."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import gc
 import os
 import subprocess
@@ -71,7 +73,8 @@ class _Reports:
     """The threads that report each CL batch and the values reported, in order: commands
     handed over (``cl_queue.report``) and repeat launches made in C (``_report_run`` and
     ``_report_failed`` of the DriverQueue), which both takers call, and the repeat launches
-    ``driver``'s poll reported in C (``cl_poll``, clfast.c)."""
+    ``driver``'s poll reported in C (``cl_poll``, and the timeline's ``cl_poll_for``:
+    clfast.c)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, driver: CLQueue) -> None:
         self.threads: list[int] = []
@@ -105,6 +108,14 @@ class _Reports:
             return n, first, last
 
         monkeypatch.setattr(driver, "_c_poll", spy_c_poll)
+        poll = None if driver.owner is None else driver.owner.timeline.poll
+        if isinstance(poll, functools.partial):  # (cl_poll_for, bound to the queue's hooks)
+
+            def saw_in_c(first: int, last: int) -> None:
+                self._saw(range(first, last + 1))
+
+            hooks = (*poll.args[0][:4], saw_in_c)  # (a fifth item: called at each report in C)
+            monkeypatch.setattr(driver.owner.timeline, "poll", functools.partial(poll.func, hooks))
 
     def _saw(self, values: Any) -> None:
         self.threads.append(threading.get_ident())
@@ -129,6 +140,60 @@ async def test_an_await_of_a_launch_on_an_idle_queue_is_reported_by_the_awaiting
     await out.free()
 
 
+async def test_a_round_trip_claims_and_polls_in_one_c_call_each_and_returns_the_device_time(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """The await of a repeat launch claims and polls through the timeline's C hooks (clfast.c's
+    ``cl_claim`` and ``cl_poll_for``): no Python function of the DriverQueue's or the CLQueue's
+    runs in the awaiting thread (their claim, poll and report), and the await returns the
+    device time the poll stored in the Signal."""
+    dev, _, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    ran: list[str] = []
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        name = os.path.basename(frame.f_code.co_filename)
+        if event == "call" and name in ("driverqueue.py", "cl_queue.py"):
+            ran.append(f"{name}:{frame.f_code.co_name}")
+
+    elapsed: list[float] = []
+    with anyio.fail_after(30):
+        for _ in range(5):
+            sig = prog(out)
+            sys.setprofile(profile)
+            try:
+                elapsed.append(await sig)
+            finally:
+                sys.setprofile(None)
+            assert sig.done() and elapsed[-1] == sig.result() and elapsed[-1] > 0
+    assert ran == []
+    assert (await out.numpy())[0] == 6
+    await out.free()
+
+
+async def test_an_await_makes_its_checkpoint_as_a_bare_yield_on_asyncio_and_anyios_on_trio(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch, anyio_backend_name: str
+) -> None:
+    """A round trip's one checkpoint: on an asyncio loop (uvloop too) a bare yield, what
+    ``asyncio.sleep(0)`` makes, without anyio's dispatch to its backend; on trio anyio's."""
+    dev, queue, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    log = _ClaimLog(queue, monkeypatch)
+    checkpoint, through_anyio = anyio.lowlevel.checkpoint, []
+
+    async def counted() -> None:
+        through_anyio.append(True)
+        await checkpoint()
+
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted)
+    with anyio.fail_after(30):
+        await prog(out)
+    assert log.calls == ["claim True", "checkpoint", "poll claimed"]
+    assert through_anyio == ([True] if anyio_backend_name == "trio" else [])
+    await out.free()
+
+
 async def test_a_poll_returns_after_its_budget_while_its_command_waits_for_a_python_command(
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,13 +212,15 @@ async def test_a_poll_returns_after_its_budget_while_its_command_waits_for_a_pyt
         go.wait(60)
 
     polls: list[bool] = []
-    real_poll = driver.poll
+    real_poll = queue.timeline.poll
+    assert real_poll is not None
 
-    def poll(value: int, event: Any, claim: int = 0) -> None:
-        real_poll(value, event, claim)
+    def poll(value: int, claim: int = 0) -> float | None:
+        out = real_poll(value, claim)
         polls.append(go.is_set())  # (returned while the Python command still held the queue)
+        return out
 
-    monkeypatch.setattr(queue, "_driver_poll", poll)
+    monkeypatch.setattr(queue.timeline, "poll", poll)
     reports = _Reports(monkeypatch, queue.driver)
     ahead = queue.submit(hold, ())
     sig = prog(out)
@@ -431,10 +498,15 @@ class _ClaimLog:
         claim, unclaim, poll = timeline.claim, timeline.unclaim, timeline.poll
         checkpoint = anyio.lowlevel.checkpoint
         assert claim is not None and unclaim is not None and poll is not None
+        # On asyncio (uvloop too) the await's checkpoint is a bare yield: a callback scheduled
+        # at the claim runs in the pass of the loop it gives way to, before the task again.
+        loop = asyncio._get_running_loop()
 
         def logged_claim(value: int) -> int:
             got = claim(value)
             self.calls.append(f"claim {bool(got)}")
+            if loop is not None:
+                loop.call_soon(self.calls.append, "checkpoint")
             return got
 
         def logged_unclaim(number: int) -> None:
@@ -452,7 +524,8 @@ class _ClaimLog:
         monkeypatch.setattr(timeline, "claim", logged_claim)
         monkeypatch.setattr(timeline, "unclaim", logged_unclaim)
         monkeypatch.setattr(timeline, "poll", logged_poll)
-        monkeypatch.setattr(anyio.lowlevel, "checkpoint", logged_checkpoint)
+        if loop is None:
+            monkeypatch.setattr(anyio.lowlevel, "checkpoint", logged_checkpoint)
 
 
 def _claimed_launch(prog: Any, out: Any, timeline: Any) -> tuple[Any, int]:
@@ -772,26 +845,26 @@ async def test_a_round_trip_is_reported_in_python_while_another_thread_holds_the
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The C report only tries the queue's done lock: held by another thread, it declines,
-    and Python's report waits for the lock (let go here once the C call returned)."""
+    and Python's report waits for the lock (let go here once the poll handed the report to
+    Python's path, ``CLQueue._report_polled``)."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)
     python_runs = _PythonRuns(monkeypatch)
     held, go = threading.Event(), threading.Event()
-    c_poll, returned = driver._c_poll, []
+    report, handed = driver._report_polled, []
 
-    def poll_then_let_go(*args: Any) -> tuple[int, int, int]:
-        out = c_poll(*args)
-        returned.append(out)
+    def let_go_then_report(n: int) -> None:
+        handed.append(n)
         go.set()
-        return out
+        report(n)
 
     def hold() -> None:
         with queue._done_lock:
             held.set()
             go.wait(60)
 
-    monkeypatch.setattr(driver, "_c_poll", poll_then_let_go)
+    monkeypatch.setattr(driver, "_report_polled", let_go_then_report)
     holder = threading.Thread(target=hold)
     holder.start()
     try:
@@ -802,7 +875,7 @@ async def test_a_round_trip_is_reported_in_python_while_another_thread_holds_the
     finally:
         go.set()
         holder.join(30)
-    assert returned == [(1, 0, 0)]  # (it took the launch and left its report to Python)
+    assert handed == [1]  # (it took the launch and left its report to Python)
     assert python_runs.values == [sig.value] and sig.done() and sig.error() is None
     await out.free()
 
@@ -914,7 +987,7 @@ def test_the_c_report_reads_debug_from_the_os_environ_of_the_moment() -> None:
     mapping of the moment, not the one at the device's opening). A fresh process: the
     extension module is configured once, by the first CL device."""
     script = """
-import os, anyio
+import functools, os, anyio
 from aiotinyrt import Buffer, Device, dtypes
 from aiotinyrt.backends import cl_queue
 real = os.environ
@@ -930,16 +1003,15 @@ async def main():
     prog = await dev.program("inc", "__kernel void inc(__global int* out) { out[0] += 1; }")
     out = await Buffer("CL", 1, dtypes.int32).allocate()
     await prog(out)
-    if driver._settle is None:
-        driver._settle_args(driver._poll_out)
-    if not driver._settle:
+    timeline, reported = dev._compute_queue.timeline, []
+    if not isinstance(timeline.poll, functools.partial):
         print("no C report")
         return
-    c_poll, reported = driver._c_poll, []
-    driver._c_poll = lambda *args: reported.append(c_poll(*args)) or reported[-1]
+    saw = lambda first, last: reported.append((first, last))
+    timeline.poll = functools.partial(timeline.poll.func, (*timeline.poll.args[0][:4], saw))
     for _ in range(5):
         await prog(out)
-    print("reported in C:", sum(1 for _, _, last in reported if last), "polls:", reported)
+    print("reported in C:", len(reported), "polls:", reported)
 anyio.run(main)
 """
     cl_ring("the poll's report in C")

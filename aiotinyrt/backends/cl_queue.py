@@ -35,7 +35,10 @@
   its batch goes to the device), makes the checkpoint every await makes while the device runs
   it, then polls; meanwhile the waiter leaves completions to that poll, for ``_CLAIM_NS`` at
   most. With the extension module the poll is one C call (clfast.c's ``cl_poll``), which also
-  reports a round trip's repeat launch in the common case (:meth:`_settle_args`).
+  reports a round trip's repeat launch in the common case (:meth:`_settle_args`); for a
+  repeat launch the timeline's claim and poll are each one C call from the await
+  (``cl_claim``, ``cl_poll_for``: :meth:`attach`), and that poll returns the launch's device
+  time when it reported it.
 - Events are released when their last reference goes (``ffi.gc``): the waiter drops its own
   before it reports, the DriverQueue its own when the command completed.
 """
@@ -47,6 +50,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from aiotinyrt import native
@@ -190,8 +194,8 @@ class CLQueue:
         #: None: not made yet, (): none)
         self._settle: tuple[Any, ...] | None = None
         self._c_poll: Callable[..., tuple[int, int, int]] = _no_c_poll
-        #: the DriverQueue this drives (set by the device once both exist: the repeat launches'
-        #: completions are reported to it directly)
+        #: the DriverQueue this drives (:meth:`attach`: the repeat launches' completions are
+        #: reported to it directly)
         self.owner: Any = None
         #: the timeline's counters (the ring learns of waiters through them)
         self.counters = None if self._ring is None else _RingCounters(self._native, self._ring)
@@ -350,6 +354,27 @@ class CLQueue:
                 n = lib.clq_polled(ring)
             if n:
                 self._report_taken(n, taken)
+
+    def attach(self, owner: Any) -> None:
+        """Drive DriverQueue ``owner`` (made with this driver). With the extension module, its
+        timeline's ``claim`` and ``poll`` become clfast.c's ``cl_claim`` and ``cl_poll_for``
+        bound to this queue: for a repeat launch (no event kept by ``owner``) each is one C
+        call, without the Python frames of ``DriverQueue._claim`` and :meth:`claim` (or
+        ``DriverQueue._poll`` and :meth:`poll`), which serve any other command from there;
+        the poll returns the launch's device time when it reported it itself."""
+        self.owner = owner
+        hooks = native.cl_hooks()
+        if hooks is None or self._poll_out is None or not self._settle_args(self._poll_out):
+            return
+        assert self._settle is not None
+        bound = (self._settle, self, owner._events, globals())
+        owner.timeline.claim = partial(hooks[0], bound)
+        owner.timeline.poll = partial(hooks[1], bound)
+
+    def _report_polled(self, n: int) -> None:
+        """Report the ``n`` events a ``cl_poll_for`` call took and did not report in C."""
+        assert self._poll_out is not None
+        self._report_taken(n, self._poll_out)
 
     def _settle_args(self, taken: _Taken) -> tuple[Any, ...]:
         """The extension module's ``cl_poll`` (clfast.c), which polls and, in a round trip's

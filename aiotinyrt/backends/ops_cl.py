@@ -251,7 +251,8 @@ class CLDevice(Compiled):
 
     def _make_queue(self, name: str) -> Queue:
         driver = CLQueue(f"{self.name}/{name}", self.context, self.device_id)
-        queue = driver.owner = DriverQueue(self, name, driver, context=self.context)
+        queue = DriverQueue(self, name, driver, context=self.context)
+        driver.attach(queue)
         return queue
 
     def _on_close(self) -> None:

@@ -369,6 +369,14 @@ def cl_poller() -> Callable[..., tuple[int, int, int]] | None:
     return None if module is None else module.cl_poll
 
 
+def cl_hooks() -> tuple[Callable[..., int], Callable[..., float | None]] | None:
+    """The extension module's ``cl_claim(hooks, value)`` and ``cl_poll_for(hooks, value,
+    claim=0)`` (clfast.c): a CL queue's ``Timeline.claim`` and ``Timeline.poll`` in one C call
+    each, once bound to the queue's ``hooks`` (``CLQueue.attach``); None without the module."""
+    module = _module()
+    return None if module is None else (module.cl_claim, module.cl_poll_for)
+
+
 def rlock() -> Any:
     """A reentrant lock, as ``threading.RLock``: the extension module's ``Lock`` (lock.c), which
     the CL repeat launch takes from C without calling Python, else ``threading.RLock``."""

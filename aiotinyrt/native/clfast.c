@@ -427,8 +427,9 @@ static int debug_may_log(void) {
    nothing else to complete, no waiter of its timeline due by the last of them, no sticky
    error and DEBUG unset or 0 (debug_may_log).
    Returns 1 once they are complete (their Signals' device times stored, what they held
-   dropped, `_taken` and the timeline's `completed` moved), 0 if any of that does not hold:
-   nothing was changed, and the caller reports them as any batch (Python's path).
+   dropped, `_taken` and the timeline's `completed` moved; `*elapsed`, when given, is set to a
+   new reference to the device time of the one tagged `want`, if any), 0 if any of that does
+   not hold: nothing was changed, and the caller reports them as any batch (Python's path).
 
    No Python code runs and the GIL is never let go between the first check and the store of
    `completed`: no other thread can act on the queue or the timeline meanwhile (the checks'
@@ -438,7 +439,7 @@ static int debug_may_log(void) {
    Timeline.add_waiter has pushed its waiter (seen here) or reads `completed` after this store
    (and fires itself), as with Timeline.advance. What the Signals held is released last (that may run Python code). */
 static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags, const int32_t *status,
-                         const double *seconds, int n) {
+                         const double *seconds, int n, int64_t want, PyObject **elapsed) {
     PyObject *dq = PyTuple_GET_ITEM(settle, 5), *done_lock = PyTuple_GET_ITEM(settle, 6);
     PyObject *timeline = PyTuple_GET_ITEM(settle, 7), *counters = PyTuple_GET_ITEM(settle, 8);
     PyObject *device = PyTuple_GET_ITEM(settle, 9);
@@ -476,7 +477,13 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
         return 0;
     }
     PyObject *dropped[256 * DROPPED];
-    for (int k = 0; k < n; k++) signal_done(objs[k], seconds[k], &dropped[k * DROPPED]);
+    for (int k = 0; k < n; k++) {
+        signal_done(objs[k], seconds[k], &dropped[k * DROPPED]);
+        if (tags[k] == want && elapsed) {
+            *elapsed = SLOT(objs[k], off_elapsed);
+            Py_INCREF(*elapsed);
+        }
+    }
     if (PyObject_SetAttr(counters, s_completed, last_obj) < 0) PyErr_WriteUnraisable(counters);
     lock_release(done_lock);
     Py_DECREF(last_obj);
@@ -519,7 +526,7 @@ PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_END_ALLOW_THREADS
     if (taken > 0) {
         first = -tags[0], last = -tags[taken - 1];
-        if (report_direct(settle, objs, tags, status, seconds, taken)) {
+        if (report_direct(settle, objs, tags, status, seconds, taken, 0, NULL)) {
             clq_reported(ring);
             taken = 0;
         } else {
@@ -527,4 +534,149 @@ PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         }
     }
     return Py_BuildValue("(iLL)", taken, first, last);
+}
+
+/* A CL queue's Timeline.claim and Timeline.poll in one C call each: what DriverQueue._claim
+   and CLQueue.claim, or DriverQueue._poll and CLQueue.poll (with cl_poll), do for a command
+   the DriverQueue keeps no event of (a repeat launch: the ring finds it by its tag), without
+   their Python frames. CLQueue.attach binds them to `hooks` with functools.partial: (settle as
+   cl_poll's, the CLQueue, the DriverQueue's events, cl_queue's module dict), and for tests a
+   fifth item, called as f(first, last) after each report cl_poll_for makes in C. A command
+   whose event the DriverQueue keeps goes to CLQueue.claim and CLQueue.poll with it. */
+static PyObject *s_ring, *s_poll_ns, *s_claim_ns, *s_claim, *s_poll, *s_unclaim, *s_report_polled;
+
+/* The parts of `hooks` (borrowed) and the command `value`'s event the DriverQueue keeps (a new
+   reference, NULL: none); -1 with an error set. */
+static int hooks_parts(PyObject *hooks, PyObject *value, PyObject **settle, PyObject **driver, PyObject **event) {
+    if (!PyTuple_CheckExact(hooks) || PyTuple_GET_SIZE(hooks) < 4 || PyTuple_GET_SIZE(hooks) > 5 ||
+        !PyTuple_CheckExact(PyTuple_GET_ITEM(hooks, 0)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(hooks, 0)) != 10 || !PyDict_CheckExact(PyTuple_GET_ITEM(hooks, 2)) ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(hooks, 3)) || !PyLong_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "cl_claim/cl_poll_for((settle, CLQueue, events, globals), value, ...)");
+        return -1;
+    }
+    if (!s_report_polled) {
+        PyObject **names[] = {&s_ring, &s_poll_ns, &s_claim_ns, &s_claim, &s_poll, &s_unclaim, &s_report_polled};
+        const char *text[] = {"_ring", "_poll_ns", "_CLAIM_NS", "claim", "poll", "unclaim", "_report_polled"};
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i]))) return -1;
+    }
+    *settle = PyTuple_GET_ITEM(hooks, 0);
+    *driver = PyTuple_GET_ITEM(hooks, 1);
+    *event = PyDict_GetItemWithError(PyTuple_GET_ITEM(hooks, 2), value);
+    if (!*event && PyErr_Occurred()) return -1;
+    Py_XINCREF(*event);
+    return 0;
+}
+
+/* The CLQueue's ring (NULL: closed) and poll time (CLQueue._poll_ns, read at each call: tests
+   change it); -1 with an error set. */
+static int ring_and_poll(PyObject *settle, PyObject *driver, clq_t **ring, long *ns) {
+    int closed = attr_is(driver, s_ring, Py_None);
+    if (closed < 0) return -1;
+    *ring = closed ? NULL : PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 0));
+    PyObject *poll_ns = PyObject_GetAttr(driver, s_poll_ns);
+    *ns = poll_ns ? PyLong_AsLong(poll_ns) : -1;
+    Py_XDECREF(poll_ns);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* cl_claim(hooks, value): Timeline.claim (CLQueue.claim: the claim's number, or 0). */
+PyObject *py_cl_claim(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "cl_claim(hooks, value)");
+        return NULL;
+    }
+    PyObject *settle, *driver, *event;
+    if (hooks_parts(args[0], args[1], &settle, &driver, &event) < 0) return NULL;
+    if (event) {
+        PyObject *out = PyObject_CallMethodObjArgs(driver, s_claim, args[1], event, NULL);
+        Py_DECREF(event);
+        return out;
+    }
+    clq_t *ring;
+    long ns;
+    if (ring_and_poll(settle, driver, &ring, &ns) < 0) return NULL;
+    if (!ring || ns <= 0) return PyLong_FromLong(0);
+    PyObject *claim_ns = PyDict_GetItemWithError(PyTuple_GET_ITEM(args[0], 3), s_claim_ns); /* (tests set it) */
+    long claim_for = claim_ns ? PyLong_AsLong(claim_ns) : -1;
+    long long v = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!claim_ns || claim_for < 0 || v < 1) {
+        PyErr_SetString(PyExc_ValueError, "cl_claim: no _CLAIM_NS, or a value < 1");
+        return NULL;
+    }
+    return PyLong_FromLongLong(clq_claim(ring, 0, -v, claim_for));
+}
+
+/* cl_poll_for(hooks, value, claim=0): Timeline.poll (CLQueue.poll). Returns the device time of
+   command `value` when this call reported it in C (it completed without error: the awaiting
+   task returns it as it is), else None (whatever happened: reported by Python's path, by the
+   waiter, or not completed yet; the caller looks at the timeline). */
+PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    (void)self;
+    if (n != 2 && n != 3) {
+        PyErr_SetString(PyExc_TypeError, "cl_poll_for(hooks, value, claim=0)");
+        return NULL;
+    }
+    PyObject *settle, *driver, *event;
+    if (hooks_parts(args[0], args[1], &settle, &driver, &event) < 0) return NULL;
+    PyObject *claim_obj = n == 3 ? args[2] : zero;
+    if (event) {
+        PyObject *out = PyObject_CallMethodObjArgs(driver, s_poll, args[1], event, claim_obj, NULL);
+        Py_DECREF(event);
+        if (!out) return NULL;
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    long long v = PyLong_AsLongLong(args[1]), claim = PyLong_AsLongLong(claim_obj);
+    clq_t *ring;
+    long ns;
+    if (PyErr_Occurred() || ring_and_poll(settle, driver, &ring, &ns) < 0) return NULL;
+    if (!ring) Py_RETURN_NONE;
+    if (ns <= 0) {
+        if (claim) clq_unclaim(ring, claim);
+        Py_RETURN_NONE;
+    }
+    PyObject **objs = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 1));
+    int64_t *tags = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 2));
+    int32_t *status = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 3));
+    double *seconds = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 4));
+    if (PyErr_Occurred()) return NULL;
+    if (!objs || !tags || !status || !seconds) {
+        PyErr_SetString(PyExc_ValueError, "cl_poll_for: NULL array");
+        return NULL;
+    }
+    int taken;
+    Py_BEGIN_ALLOW_THREADS
+    taken = clq_poll(ring, 0, -v, ns, claim, 256, status, seconds, tags, (void **)objs);
+    Py_END_ALLOW_THREADS
+    if (taken <= 0) Py_RETURN_NONE;
+    PyObject *elapsed = NULL;
+    if (report_direct(settle, objs, tags, status, seconds, taken, -v, &elapsed)) {
+        int spied = PyTuple_GET_SIZE(args[0]) == 5;
+        PyObject *seen = NULL;
+        if (spied) /* (a test's: before the token goes back, so in order) */
+            seen = PyObject_CallFunction(PyTuple_GET_ITEM(args[0], 4), "LL", (long long)-tags[0],
+                                         (long long)-tags[taken - 1]);
+        clq_reported(ring);
+        if (spied && !seen) {
+            Py_XDECREF(elapsed);
+            return NULL;
+        }
+        Py_XDECREF(seen);
+        if (elapsed) return elapsed;
+        Py_RETURN_NONE;
+    }
+    /* Python's path reports them and gives the ring's token back (CLQueue._report_polled) */
+    PyObject *count = PyLong_FromLong(taken);
+    PyObject *out = count ? PyObject_CallMethodObjArgs(driver, s_report_polled, count, NULL) : NULL;
+    Py_XDECREF(count);
+    if (!out) {
+        if (!count) clq_reported(ring); /* (no memory even for that: the token goes back, what was taken is lost) */
+        return NULL;
+    }
+    Py_DECREF(out);
+    Py_RETURN_NONE;
 }

@@ -407,6 +407,8 @@ static PyMethodDef hq_methods[] = {
     {"cl_done", (PyCFunction)(void (*)(void))py_cl_done, METH_FASTCALL,
      "cl_done(objs, tags, status, seconds, i, n)"},
     {"cl_poll", (PyCFunction)(void (*)(void))py_cl_poll, METH_FASTCALL, "cl_poll(settle, event, tag, ns, claim)"},
+    {"cl_claim", (PyCFunction)(void (*)(void))py_cl_claim, METH_FASTCALL, "cl_claim(hooks, value)"},
+    {"cl_poll_for", (PyCFunction)(void (*)(void))py_cl_poll_for, METH_FASTCALL, "cl_poll_for(hooks, value, claim=0)"},
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef hq_module = {

@@ -38,4 +38,6 @@ HIDDEN PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, P
 HIDDEN PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n);
 HIDDEN PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n);
 HIDDEN PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n);
+HIDDEN PyObject *py_cl_claim(PyObject *self, PyObject *const *args, Py_ssize_t n);
+HIDDEN PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n);
 #endif
