@@ -169,6 +169,21 @@ class DriverQueue:
     #: Never the native ring: every command goes through the driver.
     native = False
 
+    # The state the CL repeat launch and the poll's report read and write from C, by the
+    # members' offsets (clfast.c); any other attribute lives in the instance's dict.
+    __slots__ = (
+        "__dict__",
+        "__weakref__",
+        "_advancing",
+        "_enqueuing",
+        "_held",
+        "_next",
+        "_results",
+        "_runs",
+        "_stopping",
+        "_taken",
+    )
+
     def __init__(self, device: QueueOwner, name: str, driver: Driver, context: object = None) -> None:
         self.device = device
         self.name = name

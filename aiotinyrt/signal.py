@@ -435,22 +435,25 @@ class Signal:
         # device seconds; anything else goes on as wait() does, its checkpoint made.
         timeline = self.timeline
         claim = timeline.claim
-        if claim is not None and (loop := _running_loop()) is not None and _current_task(loop) is not None:
-            number = claim(self.value)
-            if number:
-                try:
-                    yield
-                except BaseException:
-                    assert timeline.unclaim is not None
-                    timeline.unclaim(number)
-                    raise
-                assert timeline.poll is not None
-                elapsed = timeline.poll(self.value, number)
-                if elapsed is not None:
-                    return elapsed
-                yield from self._settle(None, polled=True).__await__()
-                return self.result()
-        return (yield from self.wait().__await__())
+        if claim is None or (_async_library is not None and _async_library.name not in (None, "asyncio")):
+            return (yield from self.wait().__await__())
+        poll = timeline.poll
+        assert poll is not None
+        number = claim(self.value)
+        if number:
+            try:
+                yield
+            except BaseException:
+                assert timeline.unclaim is not None
+                timeline.unclaim(number)
+                raise
+            elapsed = poll(self.value, number)
+            if elapsed is not None:
+                return elapsed
+        elif timeline.completed < self.value:
+            poll(self.value)  # (nothing claimed: the poll an unclaimed wait makes)
+        yield from self._settle(None, polled=True, checked=bool(number)).__await__()
+        return self.result()
 
     async def wait(self, timeout: float | None = None) -> float:
         """Wait until the command completes; return its device execution time in seconds.
@@ -512,11 +515,13 @@ class Signal:
                 waiter.callback = None
         return self.result()
 
-    async def _settle(self, timeout: float | None = None, polled: bool = False) -> None:
+    async def _settle(
+        self, timeout: float | None = None, polled: bool = False, checked: bool = False
+    ) -> None:
         """Wait until done without raising the command's error (see :meth:`wait`); ``polled``:
-        the caller claimed the command, made its checkpoint and polled (``__await__``)."""
+        the caller made the claim and the poll (``__await__``), ``checked``: and its
+        checkpoint."""
         timeline, value = self.timeline, self.value
-        checked = polled  # (the checkpoint made)
         if not polled and timeline.completed < value and timeline.poll is not None:  # a driver-run queue
             claim = 0 if timeline.claim is None else timeline.claim(value)
             if claim:
@@ -564,10 +569,16 @@ class Signal:
             waiter.callback = None
 
 
-#: The running asyncio loop of this thread (None: none, as under trio) and a loop's current
-#: task: ``Signal.__await__`` yields bare to asyncio's tasks only.
-_running_loop = asyncio._get_running_loop
-_current_task = asyncio.current_task
+#: sniffio's thread-local, whose ``name`` trio sets to ``"trio"`` for as long as it runs in
+#: the thread (trio needs sniffio: without it no trio runs). ``Signal.__await__`` yields bare
+#: only where it is unset (or ``"asyncio"``): under asyncio and uvloop, as anyio decides
+#: without sniffio. Not ``asyncio._get_running_loop()``: it asks the OS for the process id at
+#: each call (a fork check), a system call that cost ~1-1.5 us of a ~25 us round trip.
+_async_library: Any
+try:
+    from sniffio import thread_local as _async_library
+except ImportError:  # (anyio without sniffio: no trio either)
+    _async_library = None
 
 #: How long ``await sig`` polls a native queue before registering a waiter (seconds; env
 #: ``WAIT_POLL_US``, default 10). Read once at import.

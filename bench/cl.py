@@ -168,7 +168,7 @@ async def stub_rows(s: Samples, dev: Any, prog: Any, buf: Buffer, n: int) -> Non
     entry = [int(ffi.cast("uintptr_t", ffi.addressof(cl, name))) for name in _LAUNCH_ENTRY_POINTS]
     stub = ctypes.cast(lib.stub_enqueue, ctypes.c_void_p).value
     await prog(buf)  # (the launch is cached: the next ones are the C repeat launch)
-    native.cl_launcher(Completion, stub, *entry[1:])
+    native.cl_launcher(Completion, DriverQueue, stub, *entry[1:])
     try:
         t = time.perf_counter()
         for _ in range(n - 1):
@@ -182,7 +182,7 @@ async def stub_rows(s: Samples, dev: Any, prog: Any, buf: Buffer, n: int) -> Non
             await prog(buf)
         s.add("aiotinyrt|round trip, the driver's enqueue a no-op (us)", (time.perf_counter() - t) / m * 1e6)
     finally:
-        native.cl_launcher(Completion, *entry)
+        native.cl_launcher(Completion, DriverQueue, *entry)
     cl.clReleaseEvent(done)
 
 

@@ -172,6 +172,28 @@ async def test_a_round_trip_claims_and_polls_in_one_c_call_each_and_returns_the_
     await out.free()
 
 
+async def test_an_await_whose_claim_takes_nothing_claims_once_and_polls_without_it(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last of 12 pipelined launches is too far behind the ring's head to be polled for:
+    its await's one claim takes nothing, and the await goes on without claiming again (one
+    poll without a claim, then a waiter as any other)."""
+    dev, queue, driver = ring
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await dev.synchronize()
+    driver.gate(MINUTE_US)  # (the launches stay in the ring until the claim opens their batch)
+    log = _ClaimLog(queue, monkeypatch)
+    for _ in range(11):
+        prog(out)
+    last = prog(out)
+    with anyio.fail_after(30):
+        await last
+    assert log.calls[:2] == ["claim False", "poll"] and log.calls.count("claim False") == 1
+    assert (await out.numpy())[0] == 12
+    await out.free()
+
+
 async def test_an_await_makes_its_checkpoint_as_a_bare_yield_on_asyncio_and_anyios_on_trio(
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch, anyio_backend_name: str
 ) -> None:

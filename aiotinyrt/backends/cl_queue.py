@@ -56,7 +56,7 @@ from typing import Any
 from aiotinyrt import native
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.opencl import CLError, check, ffi
-from aiotinyrt.driverqueue import Completion, Done, report
+from aiotinyrt.driverqueue import Completion, Done, DriverQueue, report
 from aiotinyrt.graph import _join, _run_calls
 from aiotinyrt.helpers import getenv
 
@@ -123,7 +123,7 @@ def c_launch_ready() -> bool:
         cl = ocl.lib()
         names = ("clEnqueueNDRangeKernel", "clReleaseEvent", "clWaitForEvents")
         entry = (cdata_address(ffi.addressof(cl, n)) for n in names)
-        if native.cl_launcher(Completion, *entry):
+        if native.cl_launcher(Completion, DriverQueue, *entry):
             _c_launch.append(True)
     return bool(_c_launch)
 

@@ -340,16 +340,16 @@ def replayer() -> Callable[[tuple[Any, ...]], Any] | None:
     return None if module is None else module.replay
 
 
-def cl_launcher(completion_type: type, enqueue: int, release: int, wait: int) -> bool:
-    """Ready the CL repeat launch of the extension module (clfast.c) with the DriverQueue's
-    ``Completion`` class and the OpenCL entry points ``clEnqueueNDRangeKernel``,
-    ``clReleaseEvent`` and ``clWaitForEvents`` (addresses); False without the extension
-    module."""
+def cl_launcher(completion_type: type, queue_type: type, enqueue: int, release: int, wait: int) -> bool:
+    """Ready the CL repeat launch of the extension module (clfast.c) with the ``Completion``
+    and ``DriverQueue`` classes (C reads and writes the latter's ``__slots__``) and the OpenCL
+    entry points ``clEnqueueNDRangeKernel``, ``clReleaseEvent`` and ``clWaitForEvents``
+    (addresses); False without the extension module."""
     module = _module()
     if module is None:
         return False
     with _lock:
-        module.cl_configure(completion_type, enqueue, release, wait)
+        module.cl_configure(completion_type, queue_type, enqueue, release, wait)
     return True
 
 

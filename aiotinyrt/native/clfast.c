@@ -42,20 +42,40 @@ static PyObject *completion_type;
 static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_t_heap;
 static PyObject *float_zero, *empty_tuple;
 static PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug; /* (debug_may_log) */
-static PyObject *s_stopping, *s_held, *s_error, *s_next, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name,
-    *s_closed, *s_advancing, *s_results, *s_runs, *s_enqueuing, *s_taken, *s_completed, *s_heap;
+static PyObject *s_error, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name, *s_closed, *s_completed, *s_heap;
 
-/* cl_configure(Completion, enqueue, release, wait) after configure(): the DriverQueue's
-   Completion class and the ICD loader's clEnqueueNDRangeKernel, clReleaseEvent and
-   clWaitForEvents (addresses). */
+/* The DriverQueue class and the offsets of the __slots__ members C reads and writes (a queue
+   of another class is left to Python). */
+static PyTypeObject *dq_type;
+static Py_ssize_t off_dq_advancing, off_dq_enqueuing, off_dq_held, off_dq_next, off_dq_results, off_dq_runs,
+    off_dq_stopping, off_dq_taken;
+
+/* A DriverQueue's member at `off` (borrowed; NULL if never assigned). */
+#define DQ(dq, off) SLOT(dq, off)
+
+/* cl_configure(Completion, DriverQueue, enqueue, release, wait) after configure(): the
+   DriverQueue's Completion class, the DriverQueue class, and the ICD loader's
+   clEnqueueNDRangeKernel, clReleaseEvent and clWaitForEvents (addresses). */
 PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     (void)self;
-    if (n != 4 || !PyType_Check(args[0]) || !sig_type) {
-        PyErr_SetString(PyExc_TypeError, "cl_configure(Completion, enqueue, release, wait) after configure()");
+    if (n != 5 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !sig_type) {
+        PyErr_SetString(PyExc_TypeError,
+                        "cl_configure(Completion, DriverQueue, enqueue, release, wait) after configure()");
         return NULL;
     }
-    void *enqueue = PyLong_AsVoidPtr(args[1]), *release = PyLong_AsVoidPtr(args[2]);
-    void *wait = PyLong_AsVoidPtr(args[3]);
+    PyTypeObject *qt = (PyTypeObject *)args[1];
+    const struct {
+        Py_ssize_t *off;
+        const char *name;
+    } members[] = {
+        {&off_dq_advancing, "_advancing"}, {&off_dq_enqueuing, "_enqueuing"}, {&off_dq_held, "_held"},
+        {&off_dq_next, "_next"},           {&off_dq_results, "_results"},     {&off_dq_runs, "_runs"},
+        {&off_dq_stopping, "_stopping"},   {&off_dq_taken, "_taken"},
+    };
+    for (size_t i = 0; i < sizeof members / sizeof members[0]; i++)
+        if ((*members[i].off = slot_offset(qt, members[i].name)) < 0) return NULL;
+    void *enqueue = PyLong_AsVoidPtr(args[2]), *release = PyLong_AsVoidPtr(args[3]);
+    void *wait = PyLong_AsVoidPtr(args[4]);
     if (PyErr_Occurred()) return NULL;
     if (!enqueue || !release || !wait) {
         PyErr_SetString(PyExc_ValueError, "cl_configure: NULL entry point");
@@ -66,12 +86,10 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         (off_t_heap = slot_offset(timeline_type, "_heap")) < 0)
         return NULL;
     if (!empty_tuple) { /* (the last of these made: a failure part way is tried again) */
-        PyObject **names[] = {&s_stopping, &s_held,      &s_error,   &s_next,    &s_submitted, &s_commands,
-                              &s_bufs,     &s_vals,      &s_name,    &s_closed,  &s_advancing, &s_results,
-                              &s_runs,     &s_enqueuing, &s_taken,   &s_completed, &s_heap};
-        const char *text[] = {"_stopping", "_held",      "_error",   "_next",    "submitted",  "_commands",
-                              "_bufs",     "_vals",      "name",     "_closed",  "_advancing", "_results",
-                              "_runs",     "_enqueuing", "_taken",   "completed", "_heap"};
+        PyObject **names[] = {&s_error, &s_submitted, &s_commands, &s_bufs, &s_vals,
+                              &s_name,  &s_closed,    &s_completed, &s_heap};
+        const char *text[] = {"_error", "submitted", "_commands", "_bufs", "_vals",
+                              "name",   "_closed",   "completed", "_heap"};
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
             if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i]))) return NULL;
         if ((!os_module && !(os_module = PyImport_ImportModule("os"))) ||
@@ -85,6 +103,8 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     }
     Py_INCREF(args[0]);
     Py_XSETREF(completion_type, args[0]);
+    Py_INCREF(args[1]);
+    Py_XSETREF(dq_type, qt);
     cl_enqueue = (enqueue_fn)enqueue;
     cl_release = (release_fn)release;
     cl_wait = (wait_fn)wait;
@@ -101,15 +121,13 @@ static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
 }
 
 /* 1 if DriverQueue `dq` of `device` would hand a command to its driver at once: not stopping,
-   holding nothing back, its device open and without a sticky error; 0 if not; -1 on error. */
+   holding nothing back, its device open and without a sticky error; 0 if not (or not a
+   DriverQueue with its members set); -1 on error. */
 static int queue_ready(PyObject *dq, PyObject *device) {
-    int ok = attr_is(dq, s_stopping, Py_False);
-    if (ok == 1) {
-        PyObject *held = PyObject_GetAttr(dq, s_held);
-        Py_ssize_t len = held ? PyObject_Length(held) : -1;
-        Py_XDECREF(held);
-        ok = len < 0 ? -1 : len == 0;
-    }
+    if (!dq_type || !PyObject_TypeCheck(dq, dq_type)) return 0;
+    PyObject *held = DQ(dq, off_dq_held);
+    Py_ssize_t len = held ? PyObject_Length(held) : 1;
+    int ok = DQ(dq, off_dq_stopping) != Py_False ? 0 : len < 0 ? -1 : len == 0;
     if (ok == 1) ok = attr_is(device, s_error, Py_None);
     if (ok == 1) ok = attr_is(device, s_closed, Py_False);
     return ok;
@@ -206,8 +224,9 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
     if (lock_try(prog_lock) != 1) goto decline_or_fail;
     prog_locked = 1;
     if ((r = arguments_set(prog, args)) <= 0) goto decline_or_fail;
-    if (!(value = PyObject_GetAttr(dq, s_next))) goto fail;
-    if (!PyLong_CheckExact(value)) goto decline_or_fail;
+    value = DQ(dq, off_dq_next); /* (a DriverQueue: queue_ready) */
+    Py_XINCREF(value);
+    if (!value || !PyLong_CheckExact(value)) goto decline_or_fail;
     long long v = PyLong_AsLongLong(value);
     if (v == -1 && PyErr_Occurred()) goto fail;
     if (v < 1 || v == LLONG_MAX) goto decline_or_fail;
@@ -231,7 +250,8 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
         Py_INCREF(fields[i].value);
         set_slot(sig, fields[i].off, fields[i].value);
     }
-    if (PyObject_SetAttr(dq, s_next, next) < 0) goto fail;
+    Py_INCREF(next);
+    set_slot(dq, off_dq_next, next); /* (the old value: an int, no code runs) */
     advanced = 1;
     void *ev = NULL, *gate = clq_gate(ring); /* (a batch's first command waits for its gate) */
     cl_int code = cl_enqueue(cq, kernel, 3, NULL, gsz, lsz, gate ? 1 : 0, gate ? &gate : NULL, &ev);
@@ -265,15 +285,16 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
 
 decline_or_fail:
     if (r < 0) goto fail;
-    if (advanced && PyObject_SetAttr(dq, s_next, value) < 0) PyErr_WriteUnraisable(dq);
+    if (advanced) {
+        Py_INCREF(value);
+        set_slot(dq, off_dq_next, value);
+    }
     out = Py_None;
     goto end;
 fail:
     if (advanced) {
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        if (PyObject_SetAttr(dq, s_next, value) < 0) PyErr_WriteUnraisable(dq);
-        PyErr_Restore(type, exc, tb);
+        Py_INCREF(value);
+        set_slot(dq, off_dq_next, value);
     }
 end:
     if (prog_locked) lock_release(prog_lock);
@@ -372,18 +393,6 @@ PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     return out;
 }
 
-/* 1 if `obj.name` is a dict or list with no item, 0 otherwise (or on an error, cleared). */
-static int attr_empty(PyObject *obj, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (!v) {
-        PyErr_Clear();
-        return 0;
-    }
-    int out = (PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0) || (PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0);
-    Py_DECREF(v);
-    return out;
-}
-
 /* 1 unless the timeline's waiters (`heap`: Timeline._heap, a heap of (value, seq, waiter)) are
    all for values after `last`; 1 too for anything not so read. */
 static int waiter_due(PyObject *heap, long long last) {
@@ -404,22 +413,36 @@ static int waiter_due(PyObject *heap, long long last) {
    mapping's own dict of encoded names), 1 otherwise, or when os.environ is not an os._Environ
    (a test replaced it with another mapping) or cannot be read so: Python's path decides. (The
    mapping of the moment, by its class: one replaced when this module was configured and put
-   back since must not turn the C report off for good.) */
+   back since must not turn the C report off for good.) `os.environ` is read from the module's
+   dict at each call; its `_data` is kept for as long as it is the same mapping (an _Environ
+   never rebinds it): per report, a dict lookup and a comparison, not two attribute lookups
+   (a fifth of the report's time). */
+static PyObject *seen_environ, *seen_data; /* (strong references) */
+
 static int debug_may_log(void) {
-    PyObject *environ = PyObject_GetAttr(os_module, s_environ);
-    int out = 1;
-    if (environ && (PyObject *)Py_TYPE(environ) == environ_type) {
-        PyObject *data = PyObject_GetAttr(environ, s_data);
-        PyObject *raw = data && PyDict_CheckExact(data) ? PyDict_GetItemWithError(data, b_debug) : NULL;
-        if (data && PyDict_CheckExact(data) && !raw && !PyErr_Occurred())
-            out = 0;
-        else if (raw && PyBytes_CheckExact(raw))
-            out = PyBytes_GET_SIZE(raw) != 0 && strcmp(PyBytes_AS_STRING(raw), "0") != 0;
-        Py_XDECREF(data);
+    PyObject *environ = PyDict_GetItemWithError(PyModule_GetDict(os_module), s_environ); /* borrowed */
+    if (!environ || (PyObject *)Py_TYPE(environ) != environ_type) {
+        PyErr_Clear();
+        return 1;
     }
-    Py_XDECREF(environ);
-    PyErr_Clear();
-    return out;
+    if (environ != seen_environ) {
+        PyObject *data = PyObject_GetAttr(environ, s_data);
+        if (!data || !PyDict_CheckExact(data)) {
+            Py_XDECREF(data);
+            PyErr_Clear();
+            return 1;
+        }
+        Py_INCREF(environ);
+        Py_XSETREF(seen_environ, environ);
+        Py_XSETREF(seen_data, data);
+    }
+    PyObject *raw = PyDict_GetItemWithError(seen_data, b_debug);
+    if (!raw) {
+        int failed = PyErr_Occurred() != NULL;
+        PyErr_Clear();
+        return failed;
+    }
+    return !PyBytes_CheckExact(raw) || (PyBytes_GET_SIZE(raw) != 0 && strcmp(PyBytes_AS_STRING(raw), "0") != 0);
 }
 
 /* The report of DriverQueue._report_run's common case in C, for the `n` entries a poll took:
@@ -443,7 +466,7 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
     PyObject *dq = PyTuple_GET_ITEM(settle, 5), *done_lock = PyTuple_GET_ITEM(settle, 6);
     PyObject *timeline = PyTuple_GET_ITEM(settle, 7), *counters = PyTuple_GET_ITEM(settle, 8);
     PyObject *device = PyTuple_GET_ITEM(settle, 9);
-    if (n < 1 || n > 256) return 0;
+    if (n < 1 || n > 256 || !dq_type || !PyObject_TypeCheck(dq, dq_type)) return 0;
     for (int k = 0; k < n; k++)
         if (tags[k] >= 0 || status[k] != 0 || (k > 0 && tags[k] != tags[k - 1] - 1)) return 0;
     if (debug_may_log()) return 0; /* (DEBUG >= 2 logs each completion: Python's path) */
@@ -457,19 +480,20 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
         Py_DECREF(last_obj);
         return 0;
     }
-    int ok = attr_is(dq, s_advancing, Py_False) == 1 && attr_empty(dq, s_results) && attr_empty(dq, s_runs) &&
+    PyObject *results = DQ(dq, off_dq_results), *runs = DQ(dq, off_dq_runs), *enqueuing = DQ(dq, off_dq_enqueuing);
+    int ok = DQ(dq, off_dq_advancing) == Py_False && results && PyDict_CheckExact(results) &&
+             PyDict_GET_SIZE(results) == 0 && runs && PyDict_CheckExact(runs) && PyDict_GET_SIZE(runs) == 0 &&
+             enqueuing && PyLong_CheckExact(enqueuing) &&
+             PyLong_AsUnsignedLongMask(enqueuing) != PyThread_get_thread_ident() &&
              attr_is(device, s_error, Py_None) == 1;
-    if (ok) {
-        PyObject *enqueuing = PyObject_GetAttr(dq, s_enqueuing);
-        ok = enqueuing && PyLong_CheckExact(enqueuing) &&
-             PyLong_AsUnsignedLongMask(enqueuing) != PyThread_get_thread_ident();
-        Py_XDECREF(enqueuing);
-    }
     PyObject *completed = ok ? PyObject_GetAttr(counters, s_completed) : NULL;
     ok = completed && PyLong_CheckExact(completed) && PyLong_AsLongLong(completed) + 1 == first;
     Py_XDECREF(completed);
     ok = ok && !waiter_due(SLOT(timeline, off_t_heap), last);
-    ok = ok && PyObject_SetAttr(dq, s_taken, last_obj) == 0;
+    if (ok) {
+        Py_INCREF(last_obj);
+        set_slot(dq, off_dq_taken, last_obj); /* (the old value: an int, no code runs) */
+    }
     if (!ok) {
         PyErr_Clear();
         lock_release(done_lock);
