@@ -435,7 +435,9 @@ class Signal:
         # device seconds; anything else goes on as wait() does, its checkpoint made.
         timeline = self.timeline
         claim = timeline.claim
-        if claim is None or (_async_library is not None and _async_library.name not in (None, "asyncio")):
+        if claim is None or (
+            "trio" in _MODULES and _async_library is not None and _async_library.name not in (None, "asyncio")
+        ):
             return (yield from self.wait().__await__())
         poll = timeline.poll
         assert poll is not None
@@ -570,14 +572,16 @@ class Signal:
 
 
 #: sniffio's thread-local, whose ``name`` trio sets to ``"trio"`` for as long as it runs in
-#: the thread (trio needs sniffio: without it no trio runs). ``Signal.__await__`` yields bare
-#: only where it is unset (or ``"asyncio"``): under asyncio and uvloop, as anyio decides
-#: without sniffio. Not ``asyncio._get_running_loop()``: it asks the OS for the process id at
-#: each call (a fork check), a system call that cost ~1-1.5 us of a ~25 us round trip.
+#: the thread (trio imports sniffio). ``Signal.__await__`` yields bare unless trio is imported
+#: and that name is set (to anything but ``"asyncio"``): under asyncio and uvloop, as anyio
+#: decides without sniffio. Not ``asyncio._get_running_loop()``: it asks the OS for the
+#: process id at each call (a fork check), a system call that cost ~1-1.5 us of a ~25 us
+#: round trip here.
+_MODULES = sys.modules
 _async_library: Any
 try:
     from sniffio import thread_local as _async_library
-except ImportError:  # (anyio without sniffio: no trio either)
+except ImportError:  # (no sniffio: no trio either)
     _async_library = None
 
 #: How long ``await sig`` polls a native queue before registering a waiter (seconds; env

@@ -174,6 +174,10 @@ class _Taken:
 class CLQueue:
     """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
 
+    # What the timeline's claim and poll in C read at each call (clfast.c, by the members'
+    # offsets); any other attribute lives in the instance's dict.
+    __slots__ = ("__dict__", "__weakref__", "_poll_ns", "_ring")
+
     def __init__(self, name: str, context: Any, device_id: Any) -> None:
         cl, err = ocl.lib(), ffi.new("cl_int*")
         self.name, self.context = name, context

@@ -53,6 +53,41 @@ static Py_ssize_t off_dq_advancing, off_dq_enqueuing, off_dq_held, off_dq_next, 
 /* A DriverQueue's member at `off` (borrowed; NULL if never assigned). */
 #define DQ(dq, off) SLOT(dq, off)
 
+/* The offsets of two object members of a class with __slots__ (the CLQueue's `_ring` and
+   `_poll_ns`, the timeline counters' `completed` and `submitted`), found at the first object
+   of that class seen; 1 if `obj` is of that class, 0 if its class has no such members (the
+   caller reads them by name). */
+typedef struct {
+    PyTypeObject *type; /* (a strong reference) */
+    Py_ssize_t off[2];
+} members_t;
+
+static int members_of(members_t *m, PyObject *obj, const char *first, const char *second) {
+    PyTypeObject *type = Py_TYPE(obj);
+    if (type == m->type) return 1;
+    Py_ssize_t a = slot_offset(type, first), b = a < 0 ? -1 : slot_offset(type, second);
+    if (b < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(m->type, type);
+    m->off[0] = a, m->off[1] = b;
+    return 1;
+}
+
+static members_t counters_members, driver_members;
+
+/* Set the timeline counters' `completed` (which 0) or `submitted` (1) to `value`. */
+static void counters_set(PyObject *counters, int which, PyObject *value) {
+    if (members_of(&counters_members, counters, "completed", "submitted")) {
+        Py_INCREF(value);
+        set_slot(counters, counters_members.off[which], value); /* (the old value: an int) */
+    } else if (PyObject_SetAttr(counters, which ? s_submitted : s_completed, value) < 0) {
+        PyErr_WriteUnraisable(counters);
+    }
+}
+
 /* cl_configure(Completion, DriverQueue, enqueue, release, wait) after configure(): the
    DriverQueue's Completion class, the DriverQueue class, and the ICD loader's
    clEnqueueNDRangeKernel, clReleaseEvent and clWaitForEvents (addresses). */
@@ -260,7 +295,7 @@ PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject
 
     /* Enqueued: the command is the queue's from here on. The ring takes the event (our
        reference) and a reference to the Signal (cl_done() hands it to Python). */
-    if (PyObject_SetAttr(counters, s_submitted, value) < 0) PyErr_WriteUnraisable(counters);
+    counters_set(counters, 1, value);
     Py_INCREF(sig);
     int refused = ev == NULL || clq_hand(ring, ev, -(int64_t)v, sig) != 0;
     if (refused) {
@@ -486,7 +521,13 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
              enqueuing && PyLong_CheckExact(enqueuing) &&
              PyLong_AsUnsignedLongMask(enqueuing) != PyThread_get_thread_ident() &&
              attr_is(device, s_error, Py_None) == 1;
-    PyObject *completed = ok ? PyObject_GetAttr(counters, s_completed) : NULL;
+    PyObject *completed = NULL;
+    if (ok && members_of(&counters_members, counters, "completed", "submitted")) {
+        completed = SLOT(counters, counters_members.off[0]);
+        Py_XINCREF(completed);
+    } else if (ok) {
+        completed = PyObject_GetAttr(counters, s_completed);
+    }
     ok = completed && PyLong_CheckExact(completed) && PyLong_AsLongLong(completed) + 1 == first;
     Py_XDECREF(completed);
     ok = ok && !waiter_due(SLOT(timeline, off_t_heap), last);
@@ -508,7 +549,7 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
             Py_INCREF(*elapsed);
         }
     }
-    if (PyObject_SetAttr(counters, s_completed, last_obj) < 0) PyErr_WriteUnraisable(counters);
+    counters_set(counters, 0, last_obj);
     lock_release(done_lock);
     Py_DECREF(last_obj);
     for (int k = 0; k < n * DROPPED; k++) Py_XDECREF(dropped[k]);
@@ -596,12 +637,25 @@ static int hooks_parts(PyObject *hooks, PyObject *value, PyObject **settle, PyOb
 /* The CLQueue's ring (NULL: closed) and poll time (CLQueue._poll_ns, read at each call: tests
    change it); -1 with an error set. */
 static int ring_and_poll(PyObject *settle, PyObject *driver, clq_t **ring, long *ns) {
-    int closed = attr_is(driver, s_ring, Py_None);
-    if (closed < 0) return -1;
-    *ring = closed ? NULL : PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 0));
-    PyObject *poll_ns = PyObject_GetAttr(driver, s_poll_ns);
-    *ns = poll_ns ? PyLong_AsLong(poll_ns) : -1;
-    Py_XDECREF(poll_ns);
+    PyObject *ring_obj, *poll_ns;
+    if (members_of(&driver_members, driver, "_ring", "_poll_ns")) {
+        ring_obj = SLOT(driver, driver_members.off[0]), poll_ns = SLOT(driver, driver_members.off[1]);
+        if (!ring_obj || !poll_ns) {
+            PyErr_SetString(PyExc_AttributeError, "CLQueue._ring or _poll_ns not set");
+            return -1;
+        }
+        Py_INCREF(ring_obj), Py_INCREF(poll_ns);
+    } else {
+        ring_obj = PyObject_GetAttr(driver, s_ring);
+        poll_ns = ring_obj ? PyObject_GetAttr(driver, s_poll_ns) : NULL;
+        if (!poll_ns) {
+            Py_XDECREF(ring_obj);
+            return -1;
+        }
+    }
+    *ring = ring_obj == Py_None ? NULL : PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 0));
+    *ns = PyLong_AsLong(poll_ns);
+    Py_DECREF(ring_obj), Py_DECREF(poll_ns);
     return PyErr_Occurred() ? -1 : 0;
 }
 
