@@ -194,6 +194,37 @@ async def test_an_await_whose_claim_takes_nothing_claims_once_and_polls_without_
     await out.free()
 
 
+async def test_a_report_left_to_python_that_raised_before_it_began_is_made_all_the_same(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``DEBUG`` set the poll leaves its report to Python (``CLQueue._report_polled``).
+    An exception raised there before the report began (as a signal handler's may) must not
+    leave the command taken and the ring's token held: the report is made once more, then
+    the exception reaches the await, and the queue goes on."""
+    dev, _, driver = ring
+    prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)
+    report, calls = driver._report_polled, []
+
+    def raise_first(n: int) -> None:
+        calls.append(n)
+        if len(calls) == 1:
+            raise RuntimeError("before the report")
+        report(n)
+
+    monkeypatch.setattr(driver, "_report_polled", raise_first)
+    monkeypatch.setenv("DEBUG", "1")
+    sig = prog(out)
+    with anyio.fail_after(30), pytest.raises(RuntimeError, match="before the report"):
+        await sig
+    assert calls == [1, 1] and sig.done() and sig.error() is None
+    monkeypatch.delenv("DEBUG")
+    with anyio.fail_after(30):
+        await prog(out)
+    assert (await out.numpy())[0] == 3
+    await out.free()
+
+
 async def test_an_await_makes_its_checkpoint_as_a_bare_yield_on_asyncio_and_anyios_on_trio(
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch, anyio_backend_name: str
 ) -> None:

@@ -747,9 +747,21 @@ PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (elapsed) return elapsed;
         Py_RETURN_NONE;
     }
-    /* Python's path reports them and gives the ring's token back (CLQueue._report_polled) */
+    /* Python's path reports them and gives the ring's token back (CLQueue._report_polled). An
+       exception raised before that report began (a signal handler's, as the frame starts)
+       leaves them taken and the token held (clq_polled still counts them): they are
+       reported once more with that exception put aside, then it is raised. */
     PyObject *count = PyLong_FromLong(taken);
     PyObject *out = count ? PyObject_CallMethodObjArgs(driver, s_report_polled, count, NULL) : NULL;
+    if (!out && count && clq_polled(ring) == taken) {
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        out = PyObject_CallMethodObjArgs(driver, s_report_polled, count, NULL);
+        if (!out) PyErr_WriteUnraisable(driver);
+        Py_XDECREF(out);
+        out = NULL;
+        PyErr_Restore(type, exc, tb);
+    }
     Py_XDECREF(count);
     if (!out) {
         if (!count) clq_reported(ring); /* (no memory even for that: the token goes back, what was taken is lost) */
