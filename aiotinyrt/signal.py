@@ -428,23 +428,26 @@ class Signal:
     def __await__(self) -> Generator[Any, None, float]:
         # ``await sig`` without a timeout. The round trip of a driver-run queue that claims its
         # commands (a CL launch awaited as soon as it was made) runs here, without the frames
-        # of wait() and _settle(): claim, checkpoint, poll. On an asyncio loop (uvloop too) the
-        # checkpoint is a bare ``yield``, which is what ``asyncio.sleep(0)``, and anyio's
-        # checkpoint there, come down to: the task runs again after one pass of the loop, and
-        # a cancellation is thrown in there. A poll that completed the command returns its
-        # device seconds; anything else goes on as wait() does, its checkpoint made.
+        # of wait() and _settle() and anyio's dispatch: claim, checkpoint, poll. The checkpoint
+        # is the one anyio's comes down to: on asyncio (uvloop too) a bare ``yield``, which is
+        # what ``asyncio.sleep(0)`` makes (the task runs again after one pass of the loop, and
+        # a cancellation is thrown in there); on trio ``trio.lowlevel.checkpoint()``. A poll
+        # that completed the command returns its device seconds; anything else goes on as
+        # wait() does, its checkpoint made.
         timeline = self.timeline
         claim = timeline.claim
-        if claim is None or (
-            "trio" in _MODULES and _async_library is not None and _async_library.name not in (None, "asyncio")
-        ):
+        library = _async_library.name if "trio" in _MODULES and _async_library is not None else None
+        if claim is None or library not in (None, "asyncio", "trio"):
             return (yield from self.wait().__await__())
         poll = timeline.poll
         assert poll is not None
         number = claim(self.value)
         if number:
             try:
-                yield
+                if library == "trio":
+                    yield from _MODULES["trio"].lowlevel.checkpoint().__await__()
+                else:
+                    yield
             except BaseException:
                 assert timeline.unclaim is not None
                 timeline.unclaim(number)
@@ -572,11 +575,11 @@ class Signal:
 
 
 #: sniffio's thread-local, whose ``name`` trio sets to ``"trio"`` for as long as it runs in
-#: the thread (trio imports sniffio). ``Signal.__await__`` yields bare unless trio is imported
-#: and that name is set (to anything but ``"asyncio"``): under asyncio and uvloop, as anyio
-#: decides without sniffio. Not ``asyncio._get_running_loop()``: it asks the OS for the
-#: process id at each call (a fork check), a system call that cost ~1-1.5 us of a ~25 us
-#: round trip here.
+#: the thread (trio imports sniffio). ``Signal.__await__`` makes trio's checkpoint where trio
+#: is imported and that name is ``"trio"``, a bare yield where it is unset (or ``"asyncio"``):
+#: under asyncio and uvloop, as anyio decides without sniffio. Not
+#: ``asyncio._get_running_loop()``: it asks the OS for the process id at each call (a fork
+#: check), a system call that cost ~1-1.5 us of a ~25 us round trip here.
 _MODULES = sys.modules
 _async_library: Any
 try:

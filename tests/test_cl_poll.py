@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+import trio
 
 from aiotinyrt import Device, DeviceError
 from aiotinyrt.backends import cl_queue
@@ -225,11 +226,12 @@ async def test_a_report_left_to_python_that_raised_before_it_began_is_made_all_t
     await out.free()
 
 
-async def test_an_await_makes_its_checkpoint_as_a_bare_yield_on_asyncio_and_anyios_on_trio(
-    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch, anyio_backend_name: str
+async def test_an_await_makes_its_checkpoint_itself_a_bare_yield_on_asyncio_and_trios_on_trio(
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A round trip's one checkpoint: on an asyncio loop (uvloop too) a bare yield, what
-    ``asyncio.sleep(0)`` makes, without anyio's dispatch to its backend; on trio anyio's."""
+    """A round trip's one checkpoint, made without anyio's dispatch to its backend (or the
+    frames of ``wait()``): on an asyncio loop (uvloop too) a bare yield, what
+    ``asyncio.sleep(0)`` makes; on trio ``trio.lowlevel.checkpoint()``, what anyio's calls."""
     dev, queue, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     log = _ClaimLog(queue, monkeypatch)
@@ -243,7 +245,7 @@ async def test_an_await_makes_its_checkpoint_as_a_bare_yield_on_asyncio_and_anyi
     with anyio.fail_after(30):
         await prog(out)
     assert log.calls == ["claim True", "checkpoint", "poll claimed"]
-    assert through_anyio == ([True] if anyio_backend_name == "trio" else [])
+    assert through_anyio == []
     await out.free()
 
 
@@ -549,11 +551,12 @@ class _ClaimLog:
         self.calls: list[str] = []
         timeline = queue.timeline
         claim, unclaim, poll = timeline.claim, timeline.unclaim, timeline.poll
-        checkpoint = anyio.lowlevel.checkpoint
         assert claim is not None and unclaim is not None and poll is not None
         # On asyncio (uvloop too) the await's checkpoint is a bare yield: a callback scheduled
-        # at the claim runs in the pass of the loop it gives way to, before the task again.
+        # at the claim runs in the pass of the loop it gives way to, before the task again. On
+        # trio it is trio's checkpoint (anyio's calls it too).
         loop = asyncio._get_running_loop()
+        checkpoint = trio.lowlevel.checkpoint
 
         def logged_claim(value: int) -> int:
             got = claim(value)
@@ -578,7 +581,7 @@ class _ClaimLog:
         monkeypatch.setattr(timeline, "unclaim", logged_unclaim)
         monkeypatch.setattr(timeline, "poll", logged_poll)
         if loop is None:
-            monkeypatch.setattr(anyio.lowlevel, "checkpoint", logged_checkpoint)
+            monkeypatch.setattr(trio.lowlevel, "checkpoint", logged_checkpoint)
 
 
 def _claimed_launch(prog: Any, out: Any, timeline: Any) -> tuple[Any, int]:
