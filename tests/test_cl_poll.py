@@ -27,6 +27,7 @@ from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, cl_command, ffi
 from aiotinyrt.driverqueue import Done, DriverQueue
+from aiotinyrt.signal import Signal
 from tests.helpers import cl_ring, direct_launch, int_buffer, seen_done
 
 pytestmark = pytest.mark.anyio
@@ -977,18 +978,35 @@ async def test_a_poll_reports_in_python_once_the_extension_module_is_turned_off(
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``NATIVE_QUEUE=0`` set after the queue was made: its polls report in Python (the
-    extension module's ``cl_poll`` is not asked for), and every await completes."""
+    timeline's claim and poll in C hand each command to ``CLQueue.claim`` and
+    ``CLQueue.poll``, which do not ask for the extension module's ``cl_poll``), the repeat
+    launches too, and every await completes."""
     dev, _, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
+    await _c_report(driver, prog, out)  # (the launches below are repeat launches)
     monkeypatch.setattr(driver, "_settle", None)  # (as before its first poll)
+    python_runs = _PythonRuns(monkeypatch)
     monkeypatch.setenv("NATIVE_QUEUE", "0")
     with anyio.fail_after(30):
+        sigs = []
         for _ in range(3):
-            await prog(out)
+            sigs.append(prog(out))
+            await sigs[-1]
     assert driver._settle == ()
+    assert python_runs.values == [s.value for s in sigs] and all(s.error() is None for s in sigs)
     monkeypatch.delenv("NATIVE_QUEUE")
-    assert (await out.numpy())[0] == 3
+    assert (await out.numpy())[0] == 4
     await out.free()
+
+
+async def test_an_await_of_a_signal_of_value_0_returns_at_once(
+    ring: tuple[CLDevice, DriverQueue, CLQueue],
+) -> None:
+    """Value 0 of a timeline is done before anything was submitted (``Signal(timeline,
+    timeline.submitted)`` on a fresh queue): its await claims nothing and returns 0.0."""
+    _, queue, _ = ring
+    with anyio.fail_after(30):
+        assert await Signal(queue.timeline, 0) == 0.0
 
 
 async def test_a_round_trip_completed_after_the_device_failed_fails_with_its_error(

@@ -41,7 +41,7 @@ static wait_fn cl_wait;
 static PyObject *completion_type;
 static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_t_heap;
 static PyObject *float_zero, *empty_tuple;
-static PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug; /* (debug_may_log) */
+static PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug, *b_native; /* (environ_value) */
 static PyObject *s_error, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name, *s_closed, *s_completed, *s_heap;
 
 /* The DriverQueue class and the offsets of the __slots__ members C reads and writes (a queue
@@ -131,7 +131,8 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             (!environ_type && !(environ_type = PyObject_GetAttrString(os_module, "_Environ"))) ||
             (!s_environ && !(s_environ = PyUnicode_InternFromString("environ"))) ||
             (!s_data && !(s_data = PyUnicode_InternFromString("_data"))) ||
-            (!b_debug && !(b_debug = PyBytes_FromString("DEBUG"))))
+            (!b_debug && !(b_debug = PyBytes_FromString("DEBUG"))) ||
+            (!b_native && !(b_native = PyBytes_FromString("NATIVE_QUEUE"))))
             return NULL;
         if ((!float_zero && !(float_zero = PyFloat_FromDouble(0.0))) || !(empty_tuple = PyTuple_New(0)))
             return NULL;
@@ -454,30 +455,58 @@ static int waiter_due(PyObject *heap, long long last) {
    (a fifth of the report's time). */
 static PyObject *seen_environ, *seen_data; /* (strong references) */
 
-static int debug_may_log(void) {
+/* 1 with `*raw` the encoded value of `name` in os.environ (borrowed; NULL: unset), 0 when it
+   cannot be read so (not an os._Environ, or an error, cleared). */
+static int environ_value(PyObject *name, PyObject **raw) {
     PyObject *environ = PyDict_GetItemWithError(PyModule_GetDict(os_module), s_environ); /* borrowed */
     if (!environ || (PyObject *)Py_TYPE(environ) != environ_type) {
         PyErr_Clear();
-        return 1;
+        return 0;
     }
     if (environ != seen_environ) {
         PyObject *data = PyObject_GetAttr(environ, s_data);
         if (!data || !PyDict_CheckExact(data)) {
             Py_XDECREF(data);
             PyErr_Clear();
-            return 1;
+            return 0;
         }
         Py_INCREF(environ);
         Py_XSETREF(seen_environ, environ);
         Py_XSETREF(seen_data, data);
     }
-    PyObject *raw = PyDict_GetItemWithError(seen_data, b_debug);
-    if (!raw) {
-        int failed = PyErr_Occurred() != NULL;
+    *raw = PyDict_GetItemWithError(seen_data, name);
+    if (!*raw && PyErr_Occurred()) {
         PyErr_Clear();
-        return failed;
+        return 0;
     }
-    return !PyBytes_CheckExact(raw) || (PyBytes_GET_SIZE(raw) != 0 && strcmp(PyBytes_AS_STRING(raw), "0") != 0);
+    return 1;
+}
+
+static int debug_may_log(void) {
+    PyObject *raw;
+    if (!environ_value(b_debug, &raw)) return 1;
+    return raw && (!PyBytes_CheckExact(raw) ||
+                   (PyBytes_GET_SIZE(raw) != 0 && strcmp(PyBytes_AS_STRING(raw), "0") != 0));
+}
+
+/* 1 if NATIVE_QUEUE is 0 in os.environ as Python reads it (helpers.getenv: an int), set
+   after the queue was made: its claims and polls go to CLQueue.claim and CLQueue.poll, whose
+   poll then reports in Python (native.cl_poller()); 1 too when os.environ cannot be read so,
+   or the value is no int (Python's path decides, or raises); 0 otherwise. */
+static int native_off(void) {
+    PyObject *raw;
+    if (!environ_value(b_native, &raw) || (raw && !PyBytes_CheckExact(raw))) return 1;
+    if (!raw) return 0;
+    char *end;
+    PyObject *number = PyLong_FromString(PyBytes_AS_STRING(raw), &end, 10);
+    if (!number) {
+        PyErr_Clear();
+        return 1;
+    }
+    int off = *end != '\0' || PyLong_AsLong(number) == 0;
+    Py_DECREF(number);
+    PyErr_Clear();
+    return off;
 }
 
 /* The report of DriverQueue._report_run's common case in C, for the `n` entries a poll took:
@@ -630,6 +659,7 @@ static int hooks_parts(PyObject *hooks, PyObject *value, PyObject **settle, PyOb
     *driver = PyTuple_GET_ITEM(hooks, 1);
     *event = PyDict_GetItemWithError(PyTuple_GET_ITEM(hooks, 2), value);
     if (!*event && PyErr_Occurred()) return -1;
+    if (!*event && native_off()) *event = Py_None; /* (CLQueue's claim and poll, with no event) */
     Py_XINCREF(*event);
     return 0;
 }
@@ -681,10 +711,11 @@ PyObject *py_cl_claim(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     long claim_for = claim_ns ? PyLong_AsLong(claim_ns) : -1;
     long long v = PyLong_AsLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
-    if (!claim_ns || claim_for < 0 || v < 1) {
-        PyErr_SetString(PyExc_ValueError, "cl_claim: no _CLAIM_NS, or a value < 1");
+    if (!claim_ns || claim_for < 0) {
+        PyErr_SetString(PyExc_ValueError, "cl_claim: no _CLAIM_NS, or a negative one");
         return NULL;
     }
+    if (v < 1) return PyLong_FromLong(0); /* (value 0: done before anything was submitted) */
     return PyLong_FromLongLong(clq_claim(ring, 0, -v, claim_for));
 }
 
@@ -712,7 +743,7 @@ PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     clq_t *ring;
     long ns;
     if (PyErr_Occurred() || ring_and_poll(settle, driver, &ring, &ns) < 0) return NULL;
-    if (!ring) Py_RETURN_NONE;
+    if (!ring || v < 1) Py_RETURN_NONE; /* (value 0: done before anything was submitted) */
     if (ns <= 0) {
         if (claim) clq_unclaim(ring, claim);
         Py_RETURN_NONE;
