@@ -586,6 +586,37 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
     return 1;
 }
 
+/* The arrays a poll reads a batch into (settle's addresses: objects, tags, statuses, times). */
+typedef struct {
+    PyObject **objs;
+    int64_t *tags;
+    int32_t *status;
+    double *seconds;
+} taken_t;
+
+/* The arrays of `settle` into `t`; -1 with an error set (`who` names the caller). */
+static int settle_arrays(PyObject *settle, taken_t *t, const char *who) {
+    t->objs = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 1));
+    t->tags = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 2));
+    t->status = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 3));
+    t->seconds = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 4));
+    if (PyErr_Occurred()) return -1;
+    if (!t->objs || !t->tags || !t->status || !t->seconds) {
+        PyErr_Format(PyExc_ValueError, "%s: NULL array", who);
+        return -1;
+    }
+    return 0;
+}
+
+/* clq_poll() into `t` with the GIL let go while it waits: the number of events taken. */
+static int poll_taken(clq_t *ring, uintptr_t event, int64_t tag, long ns, int64_t claim, taken_t *t) {
+    int taken;
+    Py_BEGIN_ALLOW_THREADS
+    taken = clq_poll(ring, event, tag, ns, claim, 256, t->status, t->seconds, t->tags, (void **)t->objs);
+    Py_END_ALLOW_THREADS
+    return taken;
+}
+
 /* cl_poll(settle, event, tag, ns, claim): CLQueue.poll in one call. clq_poll() (the GIL let go
    while it waits) with the queue's arrays, then, when what it took is the common case of a
    round trip (report_direct), its report. settle: (ring, objs, tags, status, seconds (the
@@ -601,26 +632,20 @@ PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     }
     PyObject *settle = args[0];
     clq_t *ring = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 0));
-    PyObject **objs = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 1));
-    int64_t *tags = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 2));
-    int32_t *status = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 3));
-    double *seconds = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 4));
     uintptr_t event = (uintptr_t)PyLong_AsVoidPtr(args[1]);
     long long tag = PyLong_AsLongLong(args[2]), claim = PyLong_AsLongLong(args[4]);
     long ns = PyLong_AsLong(args[3]);
-    if (PyErr_Occurred()) return NULL;
-    if (!ring || !objs || !tags || !status || !seconds) {
-        PyErr_SetString(PyExc_ValueError, "cl_poll: NULL ring or array");
+    taken_t t;
+    if (PyErr_Occurred() || settle_arrays(settle, &t, "cl_poll") < 0) return NULL;
+    if (!ring) {
+        PyErr_SetString(PyExc_ValueError, "cl_poll: NULL ring");
         return NULL;
     }
-    int taken;
     long long first = 0, last = 0;
-    Py_BEGIN_ALLOW_THREADS
-    taken = clq_poll(ring, event, tag, ns, claim, 256, status, seconds, tags, (void **)objs);
-    Py_END_ALLOW_THREADS
+    int taken = poll_taken(ring, event, tag, ns, claim, &t);
     if (taken > 0) {
-        first = -tags[0], last = -tags[taken - 1];
-        if (report_direct(settle, objs, tags, status, seconds, taken, 0, NULL)) {
+        first = -t.tags[0], last = -t.tags[taken - 1];
+        if (report_direct(settle, t.objs, t.tags, t.status, t.seconds, taken, 0, NULL)) {
             clq_reported(ring);
             taken = 0;
         } else {
@@ -748,27 +773,17 @@ PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (claim) clq_unclaim(ring, claim);
         Py_RETURN_NONE;
     }
-    PyObject **objs = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 1));
-    int64_t *tags = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 2));
-    int32_t *status = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 3));
-    double *seconds = PyLong_AsVoidPtr(PyTuple_GET_ITEM(settle, 4));
-    if (PyErr_Occurred()) return NULL;
-    if (!objs || !tags || !status || !seconds) {
-        PyErr_SetString(PyExc_ValueError, "cl_poll_for: NULL array");
-        return NULL;
-    }
-    int taken;
-    Py_BEGIN_ALLOW_THREADS
-    taken = clq_poll(ring, 0, -v, ns, claim, 256, status, seconds, tags, (void **)objs);
-    Py_END_ALLOW_THREADS
+    taken_t t;
+    if (settle_arrays(settle, &t, "cl_poll_for") < 0) return NULL;
+    int taken = poll_taken(ring, 0, -v, ns, claim, &t);
     if (taken <= 0) Py_RETURN_NONE;
     PyObject *elapsed = NULL;
-    if (report_direct(settle, objs, tags, status, seconds, taken, -v, &elapsed)) {
+    if (report_direct(settle, t.objs, t.tags, t.status, t.seconds, taken, -v, &elapsed)) {
         int spied = PyTuple_GET_SIZE(args[0]) == 5;
         PyObject *seen = NULL;
         if (spied) /* (a test's: before the token goes back, so in order) */
-            seen = PyObject_CallFunction(PyTuple_GET_ITEM(args[0], 4), "LL", (long long)-tags[0],
-                                         (long long)-tags[taken - 1]);
+            seen = PyObject_CallFunction(PyTuple_GET_ITEM(args[0], 4), "LL", (long long)-t.tags[0],
+                                         (long long)-t.tags[taken - 1]);
         clq_reported(ring);
         if (spied && !seen) {
             Py_XDECREF(elapsed);
