@@ -576,8 +576,9 @@ class Signal:
 
 #: sniffio's thread-local, whose ``name`` trio sets to ``"trio"`` for as long as it runs in
 #: the thread (trio imports sniffio). ``Signal.__await__`` makes trio's checkpoint where trio
-#: is imported and that name is ``"trio"``, a bare yield where it is unset (or ``"asyncio"``):
-#: under asyncio and uvloop, as anyio decides without sniffio. Not
+#: is imported and that name is ``"trio"``, a bare yield where trio is not imported or the
+#: name is unset (or ``"asyncio"``): under asyncio and uvloop, as anyio decides without
+#: sniffio; any other name goes through ``wait()``. Not
 #: ``asyncio._get_running_loop()``: it asks the OS for the process id at each call (a fork
 #: check), a system call that cost ~1-1.5 us of a ~25 us round trip here.
 _MODULES = sys.modules

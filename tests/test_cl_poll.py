@@ -200,9 +200,10 @@ async def test_a_report_left_to_python_that_raised_before_it_began_is_made_all_t
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``DEBUG`` set the poll leaves its report to Python (``CLQueue._report_polled``).
-    An exception raised there before the report began (as a signal handler's may) must not
-    leave the command taken and the ring's token held: the report is made once more, then
-    the exception reaches the await, and the queue goes on."""
+    Exceptions raised there before the report began (as signal handlers' may, twice here)
+    must not leave the command taken and the ring's token held: the report is made again,
+    then the first exception reaches the await (the second is written as unraisable), and
+    the queue goes on."""
     dev, _, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)
@@ -210,16 +211,19 @@ async def test_a_report_left_to_python_that_raised_before_it_began_is_made_all_t
 
     def raise_first(n: int) -> None:
         calls.append(n)
-        if len(calls) == 1:
-            raise RuntimeError("before the report")
+        if len(calls) <= 2:
+            raise RuntimeError(f"before the report ({len(calls)})")
         report(n)
 
+    unraisable: list[BaseException | None] = []
     monkeypatch.setattr(driver, "_report_polled", raise_first)
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
     monkeypatch.setenv("DEBUG", "1")
     sig = prog(out)
-    with anyio.fail_after(30), pytest.raises(RuntimeError, match="before the report"):
+    with anyio.fail_after(30), pytest.raises(RuntimeError, match=r"before the report \(1\)"):
         await sig
-    assert calls == [1, 1] and sig.done() and sig.error() is None
+    assert calls == [1, 1, 1] and sig.done() and sig.error() is None
+    assert [str(e) for e in unraisable] == ["before the report (2)"]
     monkeypatch.delenv("DEBUG")
     with anyio.fail_after(30):
         await prog(out)
@@ -974,17 +978,15 @@ async def test_a_round_trip_is_reported_in_python_while_a_later_command_waits_to
     await out.free()
 
 
-async def test_a_poll_reports_in_python_once_the_extension_module_is_turned_off(
+async def test_native_queue_0_set_after_the_queue_was_made_leaves_its_polls_as_they_are(
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``NATIVE_QUEUE=0`` set after the queue was made: its polls report in Python (the
-    timeline's claim and poll in C hand each command to ``CLQueue.claim`` and
-    ``CLQueue.poll``, which do not ask for the extension module's ``cl_poll``), the repeat
-    launches too, and every await completes."""
+    """``NATIVE_QUEUE`` is read when a queue is made (its ring, its timeline's claim and poll in
+    C): set to 0 afterwards it changes nothing for the queue, whose round trips go on being
+    reported in C, and every await completes."""
     dev, _, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)  # (the launches below are repeat launches)
-    monkeypatch.setattr(driver, "_settle", None)  # (as before its first poll)
     python_runs = _PythonRuns(monkeypatch)
     monkeypatch.setenv("NATIVE_QUEUE", "0")
     with anyio.fail_after(30):
@@ -992,21 +994,23 @@ async def test_a_poll_reports_in_python_once_the_extension_module_is_turned_off(
         for _ in range(3):
             sigs.append(prog(out))
             await sigs[-1]
-    assert driver._settle == ()
-    assert python_runs.values == [s.value for s in sigs] and all(s.error() is None for s in sigs)
+    assert python_runs.values == [] and all(s.done() and s.error() is None for s in sigs)
     monkeypatch.delenv("NATIVE_QUEUE")
     assert (await out.numpy())[0] == 4
     await out.free()
 
 
 async def test_an_await_of_a_signal_of_value_0_returns_at_once(
-    ring: tuple[CLDevice, DriverQueue, CLQueue],
+    ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Value 0 of a timeline is done before anything was submitted (``Signal(timeline,
-    timeline.submitted)`` on a fresh queue): its await claims nothing and returns 0.0."""
+    timeline.submitted)`` on a fresh queue): its await's claim takes nothing, no poll comes,
+    and it returns 0.0 after its checkpoint."""
     _, queue, _ = ring
+    log = _ClaimLog(queue, monkeypatch)
     with anyio.fail_after(30):
         assert await Signal(queue.timeline, 0) == 0.0
+    assert log.calls == ["claim False", "checkpoint"]
 
 
 async def test_a_round_trip_completed_after_the_device_failed_fails_with_its_error(

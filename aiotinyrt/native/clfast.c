@@ -41,7 +41,7 @@ static wait_fn cl_wait;
 static PyObject *completion_type;
 static Py_ssize_t off_fn, off_args, off_deps, off_keep, off_t_heap;
 static PyObject *float_zero, *empty_tuple;
-static PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug, *b_native; /* (environ_value) */
+static PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug; /* (environ_value) */
 static PyObject *s_error, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name, *s_closed, *s_completed, *s_heap;
 
 /* The DriverQueue class and the offsets of the __slots__ members C reads and writes (a queue
@@ -131,8 +131,7 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             (!environ_type && !(environ_type = PyObject_GetAttrString(os_module, "_Environ"))) ||
             (!s_environ && !(s_environ = PyUnicode_InternFromString("environ"))) ||
             (!s_data && !(s_data = PyUnicode_InternFromString("_data"))) ||
-            (!b_debug && !(b_debug = PyBytes_FromString("DEBUG"))) ||
-            (!b_native && !(b_native = PyBytes_FromString("NATIVE_QUEUE"))))
+            (!b_debug && !(b_debug = PyBytes_FromString("DEBUG"))))
             return NULL;
         if ((!float_zero && !(float_zero = PyFloat_FromDouble(0.0))) || !(empty_tuple = PyTuple_New(0)))
             return NULL;
@@ -489,26 +488,6 @@ static int debug_may_log(void) {
                    (PyBytes_GET_SIZE(raw) != 0 && strcmp(PyBytes_AS_STRING(raw), "0") != 0));
 }
 
-/* 1 if NATIVE_QUEUE is 0 in os.environ as Python reads it (helpers.getenv: an int), set
-   after the queue was made: its claims and polls go to CLQueue.claim and CLQueue.poll, whose
-   poll then reports in Python (native.cl_poller()); 1 too when os.environ cannot be read so,
-   or the value is no int (Python's path decides, or raises); 0 otherwise. */
-static int native_off(void) {
-    PyObject *raw;
-    if (!environ_value(b_native, &raw) || (raw && !PyBytes_CheckExact(raw))) return 1;
-    if (!raw) return 0;
-    char *end;
-    PyObject *number = PyLong_FromString(PyBytes_AS_STRING(raw), &end, 10);
-    if (!number) {
-        PyErr_Clear();
-        return 1;
-    }
-    int off = *end != '\0' || PyLong_AsLong(number) == 0;
-    Py_DECREF(number);
-    PyErr_Clear();
-    return off;
-}
-
 /* The report of DriverQueue._report_run's common case in C, for the `n` entries a poll took:
    a run of repeat launches, each completed without error, next in line on a queue with
    nothing else to complete, no waiter of its timeline due by the last of them, no sticky
@@ -664,6 +643,9 @@ PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n) {
    whose event the DriverQueue keeps goes to CLQueue.claim and CLQueue.poll with it. */
 static PyObject *s_ring, *s_poll_ns, *s_claim_ns, *s_claim, *s_poll, *s_unclaim, *s_report_polled;
 
+/* How many calls of CLQueue._report_polled a report left to Python gets (see cl_poll_for). */
+#define REPORT_TRIES 4
+
 /* The parts of `hooks` (borrowed) and the command `value`'s event the DriverQueue keeps (a new
    reference, NULL: none); -1 with an error set. */
 static int hooks_parts(PyObject *hooks, PyObject *value, PyObject **settle, PyObject **driver, PyObject **event) {
@@ -684,7 +666,6 @@ static int hooks_parts(PyObject *hooks, PyObject *value, PyObject **settle, PyOb
     *driver = PyTuple_GET_ITEM(hooks, 1);
     *event = PyDict_GetItemWithError(PyTuple_GET_ITEM(hooks, 2), value);
     if (!*event && PyErr_Occurred()) return -1;
-    if (!*event && native_off()) *event = Py_None; /* (CLQueue's claim and poll, with no event) */
     Py_XINCREF(*event);
     return 0;
 }
@@ -796,16 +777,19 @@ PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     /* Python's path reports them and gives the ring's token back (CLQueue._report_polled). An
        exception raised before that report began (a signal handler's, as the frame starts)
        leaves them taken and the token held (clq_polled still counts them): they are
-       reported once more with that exception put aside, then it is raised. */
+       reported again with that exception put aside (up to REPORT_TRIES calls in all; one that
+       keeps failing so, written as unraisable, leaves the queue's completions stuck, as a
+       report that raises in Python does anywhere), then it is raised. */
     PyObject *count = PyLong_FromLong(taken);
     PyObject *out = count ? PyObject_CallMethodObjArgs(driver, s_report_polled, count, NULL) : NULL;
     if (!out && count && clq_polled(ring) == taken) {
         PyObject *type, *exc, *tb;
         PyErr_Fetch(&type, &exc, &tb);
-        out = PyObject_CallMethodObjArgs(driver, s_report_polled, count, NULL);
-        if (!out) PyErr_WriteUnraisable(driver);
-        Py_XDECREF(out);
-        out = NULL;
+        for (int tries = 1; tries < REPORT_TRIES && clq_polled(ring) == taken; tries++) {
+            PyObject *again = PyObject_CallMethodObjArgs(driver, s_report_polled, count, NULL);
+            if (!again) PyErr_WriteUnraisable(driver);
+            Py_XDECREF(again);
+        }
         PyErr_Restore(type, exc, tb);
     }
     Py_XDECREF(count);
