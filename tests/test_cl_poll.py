@@ -142,6 +142,26 @@ async def test_an_await_of_a_launch_on_an_idle_queue_is_reported_by_the_awaiting
     await out.free()
 
 
+class _QueueFrames:
+    """The Python functions of the DriverQueue's and the CLQueue's modules that run in this
+    thread while it is active (``sys.setprofile``)."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    def _profile(self, frame: Any, event: str, arg: object) -> None:
+        name = os.path.basename(frame.f_code.co_filename)
+        if event == "call" and name in ("driverqueue.py", "cl_queue.py"):
+            self.ran.append(f"{name}:{frame.f_code.co_name}")
+
+    def __enter__(self) -> _QueueFrames:
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
 async def test_a_round_trip_claims_and_polls_in_one_c_call_each_and_returns_the_device_time(
     ring: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:
@@ -152,24 +172,15 @@ async def test_a_round_trip_claims_and_polls_in_one_c_call_each_and_returns_the_
     dev, _, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)
-    ran: list[str] = []
-
-    def profile(frame: Any, event: str, arg: object) -> None:
-        name = os.path.basename(frame.f_code.co_filename)
-        if event == "call" and name in ("driverqueue.py", "cl_queue.py"):
-            ran.append(f"{name}:{frame.f_code.co_name}")
-
+    frames = _QueueFrames()
     elapsed: list[float] = []
     with anyio.fail_after(30):
         for _ in range(5):
             sig = prog(out)
-            sys.setprofile(profile)
-            try:
+            with frames:
                 elapsed.append(await sig)
-            finally:
-                sys.setprofile(None)
             assert sig.done() and elapsed[-1] == sig.result() and elapsed[-1] > 0
-    assert ran == []
+    assert frames.ran == []
     assert (await out.numpy())[0] == 6
     await out.free()
 
@@ -982,19 +993,21 @@ async def test_native_queue_0_set_after_the_queue_was_made_leaves_its_polls_as_t
     ring: tuple[CLDevice, DriverQueue, CLQueue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``NATIVE_QUEUE`` is read when a queue is made (its ring, its timeline's claim and poll in
-    C): set to 0 afterwards it changes nothing for the queue, whose round trips go on being
-    reported in C, and every await completes."""
+    C): set to 0 (or to nothing) afterwards it changes nothing for the queue, whose round trips
+    go on being claimed, polled and reported in C, and every await completes."""
     dev, _, driver = ring
     prog, out = await _inc_held_a_minute(dev, driver)
     await _c_report(driver, prog, out)  # (the launches below are repeat launches)
-    python_runs = _PythonRuns(monkeypatch)
-    monkeypatch.setenv("NATIVE_QUEUE", "0")
+    python_runs, frames = _PythonRuns(monkeypatch), _QueueFrames()
+    sigs = []
     with anyio.fail_after(30):
-        sigs = []
-        for _ in range(3):
+        for setting in ("0", "0", ""):
+            monkeypatch.setenv("NATIVE_QUEUE", setting)
             sigs.append(prog(out))
-            await sigs[-1]
-    assert python_runs.values == [] and all(s.done() and s.error() is None for s in sigs)
+            with frames:
+                await sigs[-1]
+    assert python_runs.values == [] and frames.ran == []
+    assert all(s.done() and s.error() is None for s in sigs)
     monkeypatch.delenv("NATIVE_QUEUE")
     assert (await out.numpy())[0] == 4
     await out.free()
