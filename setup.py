@@ -14,7 +14,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 NATIVE = Path("aiotinyrt") / "native"
-SOURCES = ("hostq.c", "clq.c", "clq_poll.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
+SOURCES = ("hostq.c", "clq.c", "clq_poll.c", "pyext.c", "replay.c", "clfast.c", "clpoll.c", "lock.c")
 HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h", "clq_internal.h")
 
 

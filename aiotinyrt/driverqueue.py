@@ -199,7 +199,7 @@ class DriverQueue:
         self._closed_error: DeviceError | None = None
         self._submit_lock = native.rlock()  # (the CL repeat launch takes it from C: lock.c)
         #: (a lock.c Lock where the extension module is there: the CL poll's report in C tries
-        #: it without calling Python; see clfast.c, report_direct)
+        #: it without calling Python; see clpoll.c, report_direct)
         self._done_lock = native.rlock()
         self._next = 1
         self._commands: dict[int, Signal] = {}  # submitted, not completed yet

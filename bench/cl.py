@@ -278,7 +278,7 @@ async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> N
     completion (the await's checkpoint comes before the report: the claim's), and from the
     report to the awaiting task running again; and how many of the
     reports the awaiting thread made itself (its poll). A repeat launch made in C is reported
-    by the timeline's poll in C (clfast.c's ``cl_poll_for``) or with
+    by the timeline's poll in C (clpoll.c's ``cl_poll_for``) or with
     ``DriverQueue._report_run``, any other command with ``report``."""
     reported = [0.0]
     report, run = cl_queue.report, DriverQueue._report_run
@@ -298,7 +298,7 @@ async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> N
 
     timeline = driver.owner.timeline
     poll = timeline.poll
-    if isinstance(poll, functools.partial):  # (clfast.c's cl_poll_for: its fifth item is called
+    if isinstance(poll, functools.partial):  # (clpoll.c's cl_poll_for: its fifth item is called
         # at each report it makes in C)
         timeline.poll = functools.partial(poll.func, (*poll.args[0][:4], lambda first, last: stamp()))
     cl_queue.report = stamped  # type: ignore[assignment]

@@ -76,7 +76,7 @@ class _Reports:
     handed over (``cl_queue.report``) and repeat launches made in C (``_report_run`` and
     ``_report_failed`` of the DriverQueue), which both takers call, and the repeat launches
     ``driver``'s poll reported in C (``cl_poll``, and the timeline's ``cl_poll_for``:
-    clfast.c)."""
+    clpoll.c)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, driver: CLQueue) -> None:
         self.threads: list[int] = []
@@ -165,7 +165,7 @@ class _QueueFrames:
 async def test_a_round_trip_claims_and_polls_in_one_c_call_each_and_returns_the_device_time(
     ring: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:
-    """The await of a repeat launch claims and polls through the timeline's C hooks (clfast.c's
+    """The await of a repeat launch claims and polls through the timeline's C hooks (clpoll.c's
     ``cl_claim`` and ``cl_poll_for``): no Python function of the DriverQueue's or the CLQueue's
     runs in the awaiting thread (their claim, poll and report), and the await returns the
     device time the poll stored in the Signal."""

@@ -34,7 +34,7 @@
   itself (``poll``, clq.c's "Two takers"). ``await sig`` first claims the command (``claim``:
   its batch goes to the device), makes the checkpoint every await makes while the device runs
   it, then polls; meanwhile the waiter leaves completions to that poll, for ``_CLAIM_NS`` at
-  most. With the extension module the poll is one C call (clfast.c's ``cl_poll``), which also
+  most. With the extension module the poll is one C call (clpoll.c's ``cl_poll``), which also
   reports a round trip's repeat launch in the common case (:meth:`_settle_args`); for a
   repeat launch the timeline's claim and poll are each one C call from the await
   (``cl_claim``, ``cl_poll_for``: :meth:`attach`), and that poll returns the launch's device
@@ -174,7 +174,7 @@ class _Taken:
 class CLQueue:
     """The Driver of one DriverQueue: an in-order ``cl_command_queue`` with profiling."""
 
-    # What the timeline's claim and poll in C read at each call (clfast.c, by the members'
+    # What the timeline's claim and poll in C read at each call (clpoll.c, by the members'
     # offsets); any other attribute lives in the instance's dict.
     __slots__ = ("__dict__", "__weakref__", "_poll_ns", "_ring")
 
@@ -361,7 +361,7 @@ class CLQueue:
 
     def attach(self, owner: Any) -> None:
         """Drive DriverQueue ``owner`` (made with this driver). With the extension module, its
-        timeline's ``claim`` and ``poll`` become clfast.c's ``cl_claim`` and ``cl_poll_for``
+        timeline's ``claim`` and ``poll`` become clpoll.c's ``cl_claim`` and ``cl_poll_for``
         bound to this queue: for a repeat launch (no event kept by ``owner``) each is one C
         call, without the Python frames of ``DriverQueue._claim`` and :meth:`claim` (or
         ``DriverQueue._poll`` and :meth:`poll`), which serve any other command from there;
@@ -381,7 +381,7 @@ class CLQueue:
         self._report_taken(n, self._poll_out)
 
     def _settle_args(self, taken: _Taken) -> tuple[Any, ...]:
-        """The extension module's ``cl_poll`` (clfast.c), which polls and, in a round trip's
+        """The extension module's ``cl_poll`` (clpoll.c), which polls and, in a round trip's
         common case, reports what it took in the same call, and its first argument; () without
         the extension module's repeat launch (its report needs no C then)."""
         c_poll = None if taken.done is None or self.owner is None else native.cl_poller()

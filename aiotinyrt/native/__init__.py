@@ -76,7 +76,7 @@ _DIR = Path(__file__).parent
 #: poller's side, clq_poll.c, used by aiotinyrt/backends/cl_queue.py), and the extension
 #: module's files.
 _RING_SOURCES = ("hostq.c", "clq.c", "clq_poll.c")
-_PY_SOURCES = ("hostq.c", "clq.c", "clq_poll.c", "pyext.c", "replay.c", "clfast.c", "lock.c")
+_PY_SOURCES = ("hostq.c", "clq.c", "clq_poll.c", "pyext.c", "replay.c", "clfast.c", "clpoll.c", "lock.c")
 _HEADERS = ("hostq.h", "hostq_internal.h", "pyext.h", "clq.h", "clq_internal.h")
 #: The C flags of every build (setup.py's and the first-use one).
 CFLAGS = ("-O2", "-pthread", "-Wall", "-Wextra", "-Werror")
@@ -363,7 +363,7 @@ def cl_reporter() -> Callable[..., tuple[int, list[Any], bool]] | None:
 
 def cl_poller() -> Callable[..., tuple[int, int, int]] | None:
     """The extension module's ``cl_poll(settle, event, tag, ns, claim) -> (n, first, last)``
-    (clfast.c): a CL queue's poll and, in a round trip's common case, its report in one call;
+    (clpoll.c): a CL queue's poll and, in a round trip's common case, its report in one call;
     None without the module (``NATIVE_QUEUE=0`` set meanwhile, too)."""
     module = _module()
     return None if module is None else module.cl_poll
@@ -371,7 +371,7 @@ def cl_poller() -> Callable[..., tuple[int, int, int]] | None:
 
 def cl_hooks() -> tuple[Callable[..., int], Callable[..., float | None]] | None:
     """The extension module's ``cl_claim(hooks, value)`` and ``cl_poll_for(hooks, value,
-    claim=0)`` (clfast.c): a CL queue's ``Timeline.claim`` and ``Timeline.poll`` in one C call
+    claim=0)`` (clpoll.c): a CL queue's ``Timeline.claim`` and ``Timeline.poll`` in one C call
     each, once bound to the queue's ``hooks`` (``CLQueue.attach``); None without the module."""
     module = _module()
     return None if module is None else (module.cl_claim, module.cl_poll_for)

@@ -37,6 +37,26 @@ HIDDEN void lock_release(PyObject *lock);
 HIDDEN PyObject *cl_launch_impl(PyObject *prog, PyObject *key, PyObject *bufs, PyObject *fast);
 HIDDEN PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n);
 HIDDEN PyObject *py_cl_done(PyObject *self, PyObject *const *args, Py_ssize_t n);
+/* What clfast.c shares with clpoll.c (the poll's report, the timeline's claim and poll): the
+   DriverQueue class and its __slots__ members' offsets (cl_configure), the members of the
+   CLQueue and of the ring counters found at the first object of each class (members_of: 1 if
+   `obj` is of the class cached in `m`, 0 if its class has no such members), the interned
+   names and os.environ's parts the report reads, and the report of one Signal. */
+HIDDEN extern PyTypeObject *dq_type;
+HIDDEN extern Py_ssize_t off_dq_advancing, off_dq_enqueuing, off_dq_held, off_dq_next, off_dq_results, off_dq_runs,
+    off_dq_stopping, off_dq_taken, off_t_heap;
+#define DQ(dq, off) SLOT(dq, off) /* a DriverQueue's member (borrowed; NULL if never assigned) */
+typedef struct {
+    PyTypeObject *type; /* (a strong reference) */
+    Py_ssize_t off[2];
+} members_t;
+HIDDEN extern members_t counters_members, driver_members;
+HIDDEN int members_of(members_t *m, PyObject *obj, const char *first, const char *second);
+HIDDEN void counters_set(PyObject *counters, int which, PyObject *value);
+HIDDEN int attr_is(PyObject *obj, PyObject *name, PyObject *want);
+HIDDEN extern PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug, *s_error, *s_completed;
+#define DROPPED 4 /* the fields of a Signal whose command completed that it drops: fn, args, deps, keep */
+HIDDEN void signal_done(PyObject *sig, double seconds, PyObject **dropped);
 HIDDEN PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n);
 HIDDEN PyObject *py_cl_claim(PyObject *self, PyObject *const *args, Py_ssize_t n);
 HIDDEN PyObject *py_cl_poll_for(PyObject *self, PyObject *const *args, Py_ssize_t n);
