@@ -5,9 +5,11 @@ the processes where the test steers their timing; the last test runs real ones."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -191,8 +193,9 @@ def test_a_server_that_fails_to_start_while_another_is_busy_leaves_the_build_to_
 
 
 def test_a_server_whose_parent_stopped_reading_exits_quietly() -> None:
-    argv = [sys.executable, "-m", "aiotinyrt.backends.cl_build", "0"]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cl_build.server_argv(0), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     data = cl_build.WARM.encode()
     proc.stdout.close()  # (a parent gone while its build ran: the reply has no reader)
@@ -303,3 +306,45 @@ def test_start_on_a_closed_pool_starts_nothing() -> None:
     pool.close()
     pool.start()
     assert made == [] and pool._count == 0
+
+
+def test_a_server_runs_the_parent_s_copy_of_the_package_wherever_it_came_from(tmp_path: Path) -> None:
+    """A parent that imported aiotinyrt from a directory put on ``sys.path`` at run time (no
+    install, nothing on PYTHONPATH, run from elsewhere) gets servers running that same copy:
+    each prints its process id from the copy's ``serve``, and the build succeeds."""
+    root = tmp_path / "copy"
+    shutil.copytree(
+        os.path.join(cl_build.PACKAGE_ROOT, "aiotinyrt"),
+        root / "aiotinyrt",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    module = root / "aiotinyrt" / "backends" / "cl_build.py"
+    text = module.read_text()
+    marker = 'def serve(index: int) -> None:\n    """'
+    assert marker in text
+    text = text.replace(
+        marker,
+        'def serve(index: int) -> None:\n    print("copy serves", os.getpid(), file=sys.stderr)\n    """',
+    )
+    module.write_text(text)
+    parent = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); "
+        "from aiotinyrt.backends import cl_build; pool = cl_build.BuildPool(0, size=1); "
+        "print(cl_build.__file__, len(pool.build(cl_build.WARM)) > 0, os.getpid()); pool.close()"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", parent, str(root)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    where, built, pid = done.stdout.split()
+    assert where == str(module) and built == "True"
+    served = [line.split()[2] for line in done.stderr.splitlines() if line.startswith("copy serves ")]
+    assert len(served) == 1 and served[0] != pid, done.stderr

@@ -4,9 +4,10 @@ PoCL builds with LLVM inside the calling process, and two builds in one process 
 lock inside it (docs/architecture.md, "The OpenCL backend": sampled, one of two build threads
 waits in ~92 % of the samples, with one context or one each; of two server processes, in 2-8 %).
 So :class:`CLCompiler <aiotinyrt.backends.ops_cl.CLCompiler>` hands each build to a server
-process of a small pool per device: ``python -m aiotinyrt.backends.cl_build <index>`` opens
-device ``<index>`` (``CL:<index>``, the same discovery order), builds each source it is sent and
-replies with the binary or the error. A server lives until its stdin closes (the parent exits).
+process of a small pool per device. A server (:func:`server_argv`: this file's :func:`serve`,
+imported from the parent's own copy of the package) opens device ``<index>`` (``CL:<index>``,
+the same discovery order), builds each source it is sent and replies with the binary or the
+error. A server lives until its stdin closes (the parent exits).
 Each build is one thread of CPU in its server (PoCL neither spawns threads for it nor takes a
 lock across processes), so two servers build two kernels side by side on two cores.
 
@@ -34,13 +35,28 @@ WARM = "__kernel void aiotinyrt_warm(__global int* o) { o[0] = 1; }"
 _FORK_LOCK = threading.Lock()  # (a forked child's pools reset once each)
 
 
+#: The directory this process's aiotinyrt package lies in. A server imports its code from there,
+#: first on its path: the same code as its parent, whether or not the child's own path would find
+#: aiotinyrt (a package put on ``sys.path`` at run time, a checkout run from elsewhere) or would
+#: find another copy (an older install, whose protocol may differ).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SERVE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from aiotinyrt.backends.cl_build import serve; serve(int(sys.argv[2]))"
+)
+
+
+def server_argv(index: int) -> list[str]:
+    """The command line of a server for device ``index``."""
+    return [sys.executable, "-c", _SERVE, PACKAGE_ROOT, str(index)]
+
+
 class BuildServer:
     """One server process building for device ``index``; one request at a time."""
 
     def __init__(self, index: int) -> None:
         self.index = index
-        argv = [sys.executable, "-m", "aiotinyrt.backends.cl_build", str(index)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(server_argv(index), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def build(self, src: str) -> bytes:
         """The binary of ``src`` (blocking); ``ocl.BuildError``/``ocl.CLError`` as the build
