@@ -41,6 +41,10 @@ class Compiled:
     synchronisation, errors, lifetime) lives here.
     """
 
+    # The sticky error and the closed flag are slots: the CL repeat launch (native/clfast.c)
+    # reads both on every launch by their offsets. Everything else keeps a ``__dict__``.
+    __slots__ = ("__dict__", "__weakref__", "_closed", "_error")
+
     def __init__(
         self,
         name: str,

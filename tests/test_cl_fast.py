@@ -18,6 +18,7 @@ from aiotinyrt.backends import cl_queue
 from aiotinyrt.backends import opencl as ocl
 from aiotinyrt.backends.cl_queue import CLQueue
 from aiotinyrt.backends.ops_cl import CLDevice, ffi
+from aiotinyrt.device import Compiled
 from aiotinyrt.driverqueue import DriverQueue
 from aiotinyrt.program import Program
 from tests.helpers import int_buffer
@@ -207,6 +208,71 @@ async def test_a_repeat_launch_on_a_device_holding_its_error_fails_unrun() -> No
         await failed
     with pytest.raises(DeviceError, match="boom"):
         await prog(out)
+    await dev.reset()
+    await prog(out)
+    assert (await out.numpy())[0] == 2
+    await out.free()
+
+
+_SLOT_NAMES = frozenset({"_error", "_closed", "_bufs", "_vals"})
+
+
+def _spying(cls: type, reads: list[str]) -> type:
+    """A subclass of ``cls`` (same layout) that logs every read of a slot the C launch needs."""
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name in _SLOT_NAMES:
+            reads.append(name)
+        return cls.__getattribute__(self, name)
+
+    return type(f"Spied{cls.__name__}", (cls,), {"__getattribute__": __getattribute__})
+
+
+async def test_a_repeat_launch_reads_the_device_and_program_state_by_slot_offsets() -> None:
+    """The device's ``_error``/``_closed`` and the program's ``_bufs``/``_vals`` are read from
+    their slots, not looked up by name: no read reaches ``__getattribute__`` (each generic
+    look-up cost ~50-100 ns of the launch)."""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)
+    reads: list[str] = []
+    dev_class, prog_class = type(dev), type(prog)
+    try:
+        dev.__class__ = _spying(dev_class, reads)
+        prog.__class__ = _spying(prog_class, reads)
+        sigs = [prog(out) for _ in range(20)]
+        assert prog._fast is not None  # (the repeat launch stayed in C: nothing was reset)
+        assert not reads
+    finally:
+        dev.__class__, prog.__class__ = dev_class, prog_class
+    for sig in sigs:
+        await sig
+    assert (await out.numpy())[0] == 21
+    await out.free()
+
+
+async def test_a_device_class_that_shadows_the_error_slot_is_read_by_name() -> None:
+    """A subclass with a class attribute ``_error`` keeps the sticky error in the instance
+    ``__dict__`` (the slot is never set): the C launch reads it by name there and declines, so
+    the launch fails with the error instead of running."""
+    dev = _c_device()
+    prog = await dev.program("inc", INC)
+    out = await int_buffer(dev.name)
+    await prog(out)
+    dev_class = type(dev)
+    shadow = type("Shadowing", (dev_class,), {"_error": None})
+    try:
+        dev.__class__ = shadow
+        dev._error = DeviceError(
+            "held", device=dev.name
+        )  # (into __dict__: the class attribute hides the slot)
+        assert Compiled.__dict__["_error"].__get__(dev) is None  # (the slot itself)
+        with pytest.raises(DeviceError, match="held"):
+            await prog(out)
+    finally:
+        dev.__dict__.pop("_error", None)
+        dev.__class__ = dev_class
     await dev.reset()
     await prog(out)
     assert (await out.numpy())[0] == 2

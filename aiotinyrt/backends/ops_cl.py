@@ -146,6 +146,8 @@ class CLProgram(Program):
     """A kernel from a device binary (``clCreateProgramWithBinary``); a launch is one
     ``clSetKernelArg`` per changed argument and ``clEnqueueNDRangeKernel``."""
 
+    __slots__ = ("_bufs", "_vals")  # (the repeat launch reads them by offset)
+
     def __init__(self, device: CLDevice, name: str, lib: bytes, **kwargs: Any) -> None:
         super().__init__(device, name, lib, **kwargs)
         self._prog, self._kernel = ocl.load(device.context, device.device_ids, self.lib, name)

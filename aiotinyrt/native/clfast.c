@@ -42,8 +42,8 @@ static Py_ssize_t off_fn, off_args, off_deps, off_keep;
 Py_ssize_t off_t_heap;
 static PyObject *float_zero, *empty_tuple;
 PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug; /* (clpoll.c's environ_value) */
-PyObject *s_error, *s_completed;
-static PyObject *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name, *s_closed, *s_heap;
+PyObject *s_completed;
+static PyObject *s_error, *s_submitted, *s_commands, *s_bufs, *s_vals, *s_name, *s_closed, *s_heap;
 
 PyTypeObject *dq_type;
 Py_ssize_t off_dq_advancing, off_dq_enqueuing, off_dq_held, off_dq_next, off_dq_results, off_dq_runs, off_dq_stopping,
@@ -133,12 +133,26 @@ PyObject *py_cl_configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
-/* 1 if `obj.name` is `want` (0 if not, -1 on error). */
-int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (!v) return -1;
-    int out = v == want;
-    Py_DECREF(v);
+/* The device's `_error` and `_closed` (Compiled's __slots__), the program's `_bufs` and `_vals`
+   (CLProgram's), read by offset: each generic attribute look-up cost ~50-100 ns of a launch.
+   A type whose members are not slots (a subclass that shadows one) is read by name. */
+static members_t device_members, program_members;
+
+/* A new reference to `obj`'s member `which` of the pair `m` caches (first, second), read by
+   offset where they are slots, else by `name`; NULL with an error if it has none. */
+static PyObject *member_or_attr(members_t *m, PyObject *obj, const char *first, const char *second, int which,
+                                PyObject *name) {
+    if (!members_of(m, obj, first, second)) return PyObject_GetAttr(obj, name);
+    PyObject *v = SLOT(obj, m->off[which]);
+    if (!v) PyErr_SetObject(PyExc_AttributeError, name);
+    Py_XINCREF(v);
+    return v;
+}
+
+int device_is(PyObject *device, int which, PyObject *want) {
+    PyObject *v = member_or_attr(&device_members, device, "_error", "_closed", which, which ? s_closed : s_error);
+    int out = v ? v == want : -1;
+    Py_XDECREF(v);
     return out;
 }
 
@@ -150,22 +164,22 @@ static int queue_ready(PyObject *dq, PyObject *device) {
     PyObject *held = DQ(dq, off_dq_held);
     Py_ssize_t len = held ? PyObject_Length(held) : 1;
     int ok = DQ(dq, off_dq_stopping) != Py_False ? 0 : len < 0 ? -1 : len == 0;
-    if (ok == 1) ok = attr_is(device, s_error, Py_None);
-    if (ok == 1) ok = attr_is(device, s_closed, Py_False);
+    if (ok == 1) ok = device_is(device, 0, Py_None);
+    if (ok == 1) ok = device_is(device, 1, Py_False);
     return ok;
 }
 
 /* 1 if the program's kernel arguments are still `args`' buffers and vals ((gsz, lsz, vals,
    *handles)); 0 if not; -1 on error. */
 static int arguments_set(PyObject *prog, PyObject *args) {
-    PyObject *bufs = PyObject_GetAttr(prog, s_bufs);
+    PyObject *bufs = member_or_attr(&program_members, prog, "_bufs", "_vals", 0, s_bufs);
     if (!bufs) return -1;
     Py_ssize_t nb = PyTuple_GET_SIZE(args) - 3;
     int ok = PyTuple_CheckExact(bufs) && PyTuple_GET_SIZE(bufs) == nb;
     for (Py_ssize_t i = 0; ok && i < nb; i++) ok = PyTuple_GET_ITEM(bufs, i) == PyTuple_GET_ITEM(args, 3 + i);
     Py_DECREF(bufs);
     if (!ok) return 0;
-    PyObject *vals = PyObject_GetAttr(prog, s_vals);
+    PyObject *vals = member_or_attr(&program_members, prog, "_bufs", "_vals", 1, s_vals);
     if (!vals) return -1;
     PyObject *want = PyTuple_GET_ITEM(args, 2);
     ok = vals == want ? 1 : PyTuple_CheckExact(vals) ? PyObject_RichCompareBool(vals, want, Py_EQ) : 0;

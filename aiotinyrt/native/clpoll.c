@@ -108,7 +108,7 @@ static int report_direct(PyObject *settle, PyObject **objs, const int64_t *tags,
              PyDict_GET_SIZE(results) == 0 && runs && PyDict_CheckExact(runs) && PyDict_GET_SIZE(runs) == 0 &&
              enqueuing && PyLong_CheckExact(enqueuing) &&
              PyLong_AsUnsignedLongMask(enqueuing) != PyThread_get_thread_ident() &&
-             attr_is(device, s_error, Py_None) == 1;
+             device_is(device, 0, Py_None) == 1;
     PyObject *completed = NULL;
     if (ok && members_of(&counters_members, counters, "completed", "submitted")) {
         completed = SLOT(counters, counters_members.off[0]);

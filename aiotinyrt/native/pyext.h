@@ -53,8 +53,9 @@ typedef struct {
 HIDDEN extern members_t counters_members, driver_members;
 HIDDEN int members_of(members_t *m, PyObject *obj, const char *first, const char *second);
 HIDDEN void counters_set(PyObject *counters, int which, PyObject *value);
-HIDDEN int attr_is(PyObject *obj, PyObject *name, PyObject *want);
-HIDDEN extern PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug, *s_error, *s_completed;
+/* 1 if the device's `_error` (which 0) or `_closed` (1) is `want`, 0 if not, -1 on error */
+HIDDEN int device_is(PyObject *device, int which, PyObject *want);
+HIDDEN extern PyObject *os_module, *environ_type, *s_environ, *s_data, *b_debug, *s_completed;
 #define DROPPED 4 /* the fields of a Signal whose command completed that it drops: fn, args, deps, keep */
 HIDDEN void signal_done(PyObject *sig, double seconds, PyObject **dropped);
 HIDDEN PyObject *py_cl_poll(PyObject *self, PyObject *const *args, Py_ssize_t n);
