@@ -20,7 +20,10 @@ when ``tinygrad.runtime.ops_cl`` imports.
 Two kinds of row bound the others: "PoCL from C" times the same launches from C with no Python
 at all (``cl_floor.c``, built with ``$CC`` or ``cc`` into a temporary library and called in
 this process), and the aiotinyrt rows "the driver's enqueue a no-op" time aiotinyrt's own share,
-its C launch pointed at a stand-in for ``clEnqueueNDRangeKernel`` that enqueues nothing.
+its C launch pointed at a stand-in for ``clEnqueueNDRangeKernel`` that enqueues nothing. The
+paced "PoCL from C" rows ("N us of other work per launch") spin N microseconds after each
+enqueue, as a runtime's own share of a launch would: what PoCL's enqueue costs at that pace
+(more than back to back: its workers catch up between two enqueues).
 """
 
 from __future__ import annotations
@@ -114,15 +117,26 @@ def floor_rows(s: Samples, n: int) -> None:
     lib = _floor()
     if lib is None:
         return
-    out = (ctypes.c_double * 3)()
+    out = (ctypes.c_double * (3 + 2 * len(WORK_US)))()
     m = max(n // 20, 200)
-    code = lib.floor_run(n, m, out)
+    code = lib.floor_run(n, m, (ctypes.c_double * len(WORK_US))(*WORK_US), len(WORK_US), out)
     if code != 0:
         s.notes["PoCL from C"] = f"floor_run failed: {code}"
         return
     s.add("PoCL from C|pipelined launch (us)", out[0])
     s.add("PoCL from C|pipelined launch, to the last completed (us)", out[1])
     s.add("PoCL from C|round trip (us)", out[2])
+    for j, work in enumerate(WORK_US):
+        s.add(f"PoCL from C|pipelined launch, {work:g} us of other work per launch (us)", out[3 + 2 * j])
+        s.add(
+            f"PoCL from C|pipelined launch, {work:g} us of other work, to the last completed (us)",
+            out[4 + 2 * j],
+        )
+
+
+#: The other work per launch of the paced "PoCL from C" rows (microseconds): a runtime's own
+#: share of a launch, spent between two enqueues (aiotinyrt's: its "no-op" row).
+WORK_US = (0.5, 1.0, 1.5)
 
 
 _floors: list[Any] = []
@@ -147,7 +161,13 @@ def _floor() -> Any:
             detail = getattr(exc, "stderr", "") or exc
             _floors.append(f"cannot build cl_floor.c with {cc}: {detail}")
         else:
-            lib.floor_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+            lib.floor_run.argtypes = [
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.POINTER(ctypes.c_double),
+                ctypes.c_int,
+                ctypes.POINTER(ctypes.c_double),
+            ]
             _floors.append(lib)
     return _floors[0] if not isinstance(_floors[0], str) else None
 

@@ -5,12 +5,16 @@
    through ctypes, in the benchmark's own process. It opens the ICD loader with dlopen, so it
    needs neither OpenCL's headers nor its development library.
 
-   floor_run(n, m, out): on a context and queue of its own (profiling on, as the other rows'),
-   with the rows' kernel `out[0] += 1` on one int:
+   floor_run(n, m, work_us, k, out): on a context and queue of its own (profiling on, as the
+   other rows'), with the rows' kernel `out[0] += 1` on one int:
      out[0]: n launches enqueued back to back, each event released at once (as a pyopencl loop
              drops them), microseconds per launch;
      out[1]: the same n launches to the last one's completion (clFinish), per launch;
-     out[2]: the median of m round trips (enqueue, then clWaitForEvents), microseconds.
+     out[2]: the median of m round trips (enqueue, then clWaitForEvents), microseconds;
+     out[3 + 2j], out[4 + 2j] (j < k): out[0] and out[1] again with work_us[j] microseconds of
+             other work (the thread spinning on the clock) after each enqueue, as a runtime's own
+             bookkeeping between two launches: PoCL's enqueue costs more when its workers catch
+             up with the queue between two enqueues.
    Returns 0, or the first OpenCL error code met (-1000: the loader or an entry point is
    missing; -1001: n < 1 or m < 1). What it made is released either way.
 
@@ -75,8 +79,29 @@ typedef cl_int (*clFinish_t)(handle);
 typedef cl_int (*clReleaseEvent_t)(handle);
 typedef cl_int (*clReleaseObject_t)(handle);
 
-int floor_run(int n, int m, double *out) {
-    if (n < 1 || m < 1) return -1001;
+/* n launches, each followed by `work_us` of spinning: microseconds per launch until the last
+   one was enqueued (out[0]) and until it completed (out[1]). */
+static cl_int pipelined(clEnqueueNDRangeKernel_t enqueue, clReleaseEvent_t release, clFinish_t finish,
+                        handle queue, handle kernel, int n, double work_us, double *out) {
+    const size_t global = 1;
+    cl_int err = finish(queue);
+    double start = now();
+    for (int i = 0; i < n && !err; i++) {
+        handle event;
+        err = enqueue(queue, kernel, 1, NULL, &global, NULL, 0, NULL, &event);
+        if (!err) release(event);
+        if (work_us > 0)
+            for (double until = now() + work_us * 1e-6; now() < until;) continue;
+    }
+    double enqueued = now();
+    cl_int done = finish(queue);
+    out[0] = (enqueued - start) / n * 1e6;
+    out[1] = (now() - start) / n * 1e6;
+    return err ? err : done;
+}
+
+int floor_run(int n, int m, const double *work_us, int k, double *out) {
+    if (n < 1 || m < 1 || k < 0) return -1001;
     void *loader = dlopen("libOpenCL.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!loader) return -1000;
     LOAD(clGetPlatformIDs)
@@ -113,19 +138,9 @@ int floor_run(int n, int m, double *out) {
     double *trips = err ? NULL : malloc((size_t)m * sizeof *trips);
     if (!err && !trips) err = -6; /* CL_OUT_OF_HOST_MEMORY */
     const size_t global = 1;
-    if (!err) {
-        clFinish(queue);
-        double start = now();
-        for (int i = 0; i < n && !err; i++) {
-            handle event;
-            err = clEnqueueNDRangeKernel(queue, kernel, 1, NULL, &global, NULL, 0, NULL, &event);
-            if (!err) clReleaseEvent(event);
-        }
-        double enqueued = now();
-        clFinish(queue);
-        out[0] = (enqueued - start) / n * 1e6;
-        out[1] = (now() - start) / n * 1e6;
-    }
+    if (!err) err = pipelined(clEnqueueNDRangeKernel, clReleaseEvent, clFinish, queue, kernel, n, 0.0, out);
+    for (int j = 0; j < k && !err; j++)
+        err = pipelined(clEnqueueNDRangeKernel, clReleaseEvent, clFinish, queue, kernel, n, work_us[j], out + 3 + 2 * j);
     for (int i = 0; i < m && !err; i++) {
         handle event;
         double start = now();
