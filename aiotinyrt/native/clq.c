@@ -70,7 +70,10 @@
    first (the loop thread's checkpoint, which every await makes) claims the command
    (clq_claim): its batch goes to the device, and until the caller's clq_poll (or clq_unclaim)
    ends the claim, or its claim_due passes, the waiter leaves completed events to it as to a
-   waiting poller, so the checkpoint runs while the device runs the command. Claims are
+   waiting poller, so the checkpoint runs while the device runs the command. It waits for a
+   claim's end as it naps (clq_wait_token), and the end of a claim, a poll or a report wakes
+   it only while the ring holds events (clq_wake_takers): a round trip's poll leaves the ring
+   empty, and the waiter sleeps on. Claims are
    numbered, so that ending one that ran out of time (a poll that came late) is a no-op.
 
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
@@ -322,21 +325,34 @@ static int clq_claimed(const clq_t *q, const struct timespec *now) {
     return q->claims > 0 && clq_before(now, &q->claim_due);
 }
 
-/* The waiter's wait for the token after its wait for the oldest event (caller holds the lock):
-   while somebody takes events, or a poller waits for the token or its event, or a caller is
-   about to poll (clq_claim, until its claim_due), unless the oldest event is urgent (no poller
-   takes it; for a claim, the oldest event in the ring now: a poller may have taken that one). */
-static void clq_wait_token(clq_t *q, int urgent) {
+/* The waiter's wait for the token after its wait for the oldest event, `first` (caller holds
+   the lock): while somebody takes events, or a poller waits for the token or its event, or a
+   caller is about to poll (clq_claim, until its claim_due), unless the oldest event is urgent
+   (no poller takes it; for a claim, the oldest event in the ring now: a poller may have taken
+   that one). It returns at once once `first` is gone from the ring (a poller took it: nothing
+   to wait for). The wait for claims to end is a nap (on `more`, `napping` and `polling` set:
+   what wakes a nap wakes it), which the end of a claim or of a poll interrupts only while the
+   ring holds events (clq_wake_takers). */
+static void clq_wait_token(clq_t *q, int urgent, cl_event first) {
     for (;;) {
+        if (!urgent && (q->count == 0 || q->ring[q->head].event != first)) return;
         if (q->taking || (q->poller && !urgent)) {
+            q->token_waits++;
             pthread_cond_wait(&q->token, &q->lock);
+            q->token_waits--;
+            q->taker_wakes++;
             continue;
         }
         if (!q->claims || urgent || (q->count > 0 && q->ring[q->head].urgent)) return;
         struct timespec now, due = q->claim_due; /* (a copy: clq_claim may move it meanwhile) */
         clock_gettime(CLOCK_MONOTONIC, &now);
         if (!clq_before(&now, &due)) return;
-        pthread_cond_timedwait(&q->token, &q->lock, &due);
+        atomic_store(&q->polling, 1);
+        q->until = due;
+        q->napping = q->claim_wait = 1;
+        if (pthread_cond_timedwait(&q->more, &q->lock, &due) == 0) q->taker_wakes++;
+        q->napping = q->claim_wait = 0;
+        atomic_store(&q->polling, 0);
     }
 }
 
@@ -370,7 +386,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
     pthread_mutex_lock(&q->lock);
     if (q->taking == CLQ_WAITER) { /* (its caller reported the last batch: calling again says so) */
         q->taking = 0;
-        pthread_cond_broadcast(&q->token);
+        clq_wake_takers(q);
     }
     for (;;) {
         if (done == 0) {
@@ -404,7 +420,9 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             }
             if (q->count == 0) {
                 if (q->taking || q->poller) { /* (closed: a poller may still report what it took) */
+                    q->token_waits++;
                     pthread_cond_wait(&q->token, &q->lock);
+                    q->token_waits--;
                     continue;
                 }
                 pthread_mutex_unlock(&q->lock);
@@ -447,7 +465,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
             }
             pthread_mutex_lock(&q->lock);
             q->blocked = 0;
-            clq_wait_token(q, urgent);
+            clq_wait_token(q, urgent, first);
             int mine = q->count > 0 && q->ring[q->head].event == first;
             q->release(first);
             if (!mine) continue; /* a poller took it: wait for the next one */
@@ -479,7 +497,7 @@ int clq_wait(clq_t *q, int max, int32_t *status, double *seconds, int64_t *tags,
         }
         if (done == 0) { /* the wait failed and its event is still queued or running */
             q->taking = 0;
-            pthread_cond_broadcast(&q->token);
+            clq_wake_takers(q);
             pthread_mutex_unlock(&q->lock);
             struct timespec nap = {0, 1000000};
             nanosleep(&nap, NULL);
@@ -549,6 +567,16 @@ void *clq_find(clq_t *q, int64_t tag) {
     }
     pthread_mutex_unlock(&q->lock);
     return out;
+}
+
+/* How many of the waiter's waits for the token or for claims to end a signal ended (tests,
+   statistics; see clq_wake_takers). */
+long clq_taker_wakes(clq_t *q) {
+    if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
+    pthread_mutex_lock(&q->lock);
+    long n = q->taker_wakes;
+    pthread_mutex_unlock(&q->lock);
+    return n;
 }
 
 /* How many pushes woke the waiter (tests, statistics). */

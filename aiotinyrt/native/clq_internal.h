@@ -46,6 +46,8 @@ struct clq {
     pthread_cond_t token; /* `taking` and `poller` went to 0 */
     int taking;           /* who holds the token (see the top of the file): 0, CLQ_WAITER, CLQ_POLLER */
     int poller;           /* a clq_poll() caller waits for the token or its event */
+    int token_waits;      /* threads in a wait for the token itself: clq_wake_takers wakes them */
+    int claim_wait;       /* the waiter waits for claims to end (on `more`, as a nap: see clq.c) */
     int polled;           /* the events the token's poller took (its thread: poll_owner) */
     int claims;           /* callers about to poll (clq_claim): the waiter leaves events to them ... */
     struct timespec claim_due; /* ... until then at the latest */
@@ -67,6 +69,7 @@ struct clq {
                     push while somebody waits for the queue, wakes it */
     int naps;    /* its naps since the last push */
     long push_wakes; /* the pushes that woke it (tests, statistics) */
+    long taker_wakes; /* its waits for the token or for claims that a signal ended (tests, statistics) */
     int direct;  /* the newest command handed over, a repeat launch, was claimed or polled for:
                     the next command goes to the device at once (see "Gates" in clq.c) ... */
     int64_t direct_claim; /* ... with a claim of its own, which its await's clq_claim takes over;
@@ -104,6 +107,8 @@ CLQ_HIDDEN int clq_before(const struct timespec *a, const struct timespec *b);
 CLQ_HIDDEN int64_t clq_count_claim(clq_t *q, const struct timespec *due, int64_t adopt);
 /* End a direct launch's claim not taken over yet, if any; caller holds the lock (clq_poll.c). */
 CLQ_HIDDEN void clq_end_direct(clq_t *q);
+/* A claim ended or the token went back (caller holds the lock): see clq_poll.c. */
+CLQ_HIDDEN void clq_wake_takers(clq_t *q);
 /* Read an event's outcome: 1 completed (or reading failed), 0 not yet (see clq.c). */
 CLQ_HIDDEN int clq_read(clq_t *q, cl_event ev, int32_t *status, double *seconds);
 

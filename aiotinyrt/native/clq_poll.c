@@ -91,11 +91,22 @@ static int clq_end_claim(clq_t *q, int64_t claim) {
     return 1;
 }
 
+/* Wake the threads waiting for the token itself (the waiter or a poller that must take
+   events), and the waiter waiting for claims to end (clq_wait_token) only while the ring holds
+   events: after a round trip's poll took its own command the ring is empty, and a waiter woken
+   then would only find the event it looked at gone and nap again (caller holds the lock). Woken
+   that way at every round trip, it cost a wake-up across cores and the lock's contention, ~4 us
+   of the awaits it met, in runs of a few dozen round trips until it found the ring empty. */
+CLQ_HIDDEN void clq_wake_takers(clq_t *q) {
+    if (q->token_waits) pthread_cond_broadcast(&q->token);
+    if (q->claim_wait && q->count > 0) pthread_cond_signal(&q->more);
+}
+
 /* End the claim of the direct launch whose await's claim has not taken it over, if any
    (caller holds the lock; see clq_gate). */
 CLQ_HIDDEN void clq_end_direct(clq_t *q) {
     if (q->direct_claim && clq_end_claim(q, q->direct_claim))
-        pthread_cond_broadcast(&q->token); /* (a waiter waiting for the claim's end looks again) */
+        clq_wake_takers(q); /* (a waiter waiting for the claim's end looks again) */
     q->direct_claim = 0;
     atomic_store(&q->directed, 0);
 }
@@ -105,7 +116,7 @@ void clq_unclaim(clq_t *q, int64_t claim) {
     if (clq_forked(q)) return;
     pthread_mutex_lock(&q->lock);
     clq_end_claim(q, claim);
-    pthread_cond_broadcast(&q->token);
+    clq_wake_takers(q);
     pthread_cond_signal(&q->more); /* (it may be timing a gate the claim set: it looks again) */
     pthread_mutex_unlock(&q->lock);
 }
@@ -131,7 +142,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t cl
     int claimed = claim && clq_end_claim(q, claim); /* (the token wait below decides meanwhile) */
     long ahead = max < 1 ? -1 : clq_pollable(q, event, tag);
     if (ahead < 0) {
-        if (claimed) pthread_cond_broadcast(&q->token);
+        if (claimed) clq_wake_takers(q);
         pthread_mutex_unlock(&q->lock);
         return 0;
     }
@@ -163,7 +174,11 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t cl
         while (q->taking) {
             pthread_cond_signal(&q->more); /* (a waiter holding results ends its hold) */
             clock_gettime(CLOCK_MONOTONIC, &now);
-            if (!clq_before(&now, &due) || pthread_cond_timedwait(&q->token, &q->lock, &due) != 0) break;
+            if (!clq_before(&now, &due)) break;
+            q->token_waits++;
+            int late = pthread_cond_timedwait(&q->token, &q->lock, &due) != 0;
+            q->token_waits--;
+            if (late) break;
         }
         if (!q->taking) {
             q->taking = CLQ_POLLER;
@@ -197,7 +212,7 @@ int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t cl
         }
     }
     q->poller--;
-    pthread_cond_broadcast(&q->token);
+    clq_wake_takers(q);
     pthread_mutex_unlock(&q->lock);
     if (retained) q->release(event);
     return done;
@@ -219,7 +234,7 @@ void clq_reported(clq_t *q) {
     pthread_mutex_lock(&q->lock);
     q->polled = 0;
     q->taking = 0;
-    pthread_cond_broadcast(&q->token);
+    clq_wake_takers(q);
     pthread_mutex_unlock(&q->lock);
 }
 
