@@ -109,19 +109,19 @@ async def test_a_python_command_pushed_while_the_waiter_naps_wakes_it(
 async def test_round_trips_do_not_wake_the_waiter_at_each_poll(
     ungated: tuple[CLDevice, DriverQueue, CLQueue],
 ) -> None:
-    """The waiter that looked at a round trip's launch and found it claimed (or being polled)
-    waits for the claim to end as in a nap; the await's poll takes the launch, and with the
-    ring empty nothing wakes the waiter, which finds the launch gone when its nap ends. (Woken
-    at the end of each poll and of each report, it stayed in step with the round trips, two
+    """The waiter that looked at a round trip's launch and found it claimed waits for the
+    claim to end as in a nap; the await's poll takes the launch, and with the ring empty
+    nothing cuts that wait short: the waiter finds the launch gone when its nap ends. (Woken at
+    the end of each poll and of each report, it stayed in step with the round trips, two
     wake-ups across cores each, until it once found the ring empty.)"""
     dev, _, driver = ungated
     prog = await dev.program("inc", INC)
     out = await int_buffer(dev.name)
     await dev.synchronize()
-    before = driver._native.clq_taker_wakes(driver._ring)
+    before = driver._native.clq_claim_wakes(driver._ring)
     with anyio.fail_after(60):
         for _ in range(ROUND_TRIPS):
             await prog(out)
-    assert driver._native.clq_taker_wakes(driver._ring) - before < ROUND_TRIPS // 20
+    assert driver._native.clq_claim_wakes(driver._ring) - before < ROUND_TRIPS // 20
     assert (await out.numpy())[0] == ROUND_TRIPS
     await out.free()

@@ -71,9 +71,9 @@
    (clq_claim): its batch goes to the device, and until the caller's clq_poll (or clq_unclaim)
    ends the claim, or its claim_due passes, the waiter leaves completed events to it as to a
    waiting poller, so the checkpoint runs while the device runs the command. It waits for a
-   claim's end as it naps (clq_wait_token), and the end of a claim, a poll or a report wakes
-   it only while the ring holds events (clq_wake_takers): a round trip's poll leaves the ring
-   empty, and the waiter sleeps on. Claims are
+   claim's end as it naps (clq_wait_token), and the end of a poll or a report wakes it only
+   while the ring holds events (clq_wake_takers): a round trip's poll leaves the ring empty,
+   and the waiter sleeps on to the end of its nap. Claims are
    numbered, so that ending one that ran out of time (a poll that came late) is a no-op.
 
    The OpenCL entry points come from the caller (the ICD loader Python opened), so this file
@@ -327,12 +327,12 @@ static int clq_claimed(const clq_t *q, const struct timespec *now) {
 
 /* The waiter's wait for the token after its wait for the oldest event, `first` (caller holds
    the lock): while somebody takes events, or a poller waits for the token or its event, or a
-   caller is about to poll (clq_claim, until its claim_due), unless the oldest event is urgent
-   (no poller takes it; for a claim, the oldest event in the ring now: a poller may have taken
-   that one). It returns at once once `first` is gone from the ring (a poller took it: nothing
-   to wait for). The wait for claims to end is a nap (on `more`, `napping` and `polling` set:
-   what wakes a nap wakes it), which the end of a claim or of a poll interrupts only while the
-   ring holds events (clq_wake_takers). */
+   caller is about to poll (clq_claim, until its claim_due), unless `first` is urgent (no
+   poller takes it). It returns once `first` is gone from the ring (a poller took it: nothing
+   to wait for; it looks before each wait). The wait for claims to end is a nap, CLQ_POLL_NS at
+   most (on `more`, `napping` and `polling` set: what wakes a nap wakes it), which the end of a
+   claim, a poll or a report cuts short only while the ring holds events (clq_wake_takers;
+   clq_unclaim always does). */
 static void clq_wait_token(clq_t *q, int urgent, cl_event first) {
     for (;;) {
         if (!urgent && (q->count == 0 || q->ring[q->head].event != first)) return;
@@ -340,17 +340,18 @@ static void clq_wait_token(clq_t *q, int urgent, cl_event first) {
             q->token_waits++;
             pthread_cond_wait(&q->token, &q->lock);
             q->token_waits--;
-            q->taker_wakes++;
             continue;
         }
-        if (!q->claims || urgent || (q->count > 0 && q->ring[q->head].urgent)) return;
-        struct timespec now, due = q->claim_due; /* (a copy: clq_claim may move it meanwhile) */
+        if (!q->claims || urgent) return;
+        struct timespec now, due = q->claim_due, nap; /* (a copy: clq_claim may move it meanwhile) */
         clock_gettime(CLOCK_MONOTONIC, &now);
         if (!clq_before(&now, &due)) return;
+        clq_after(&nap, CLQ_POLL_NS);
+        if (clq_before(&nap, &due)) due = nap; /* (the claim may end unseen: `first` gone, ring empty) */
         atomic_store(&q->polling, 1);
         q->until = due;
         q->napping = q->claim_wait = 1;
-        if (pthread_cond_timedwait(&q->more, &q->lock, &due) == 0) q->taker_wakes++;
+        if (pthread_cond_timedwait(&q->more, &q->lock, &due) == 0) q->claim_wakes++;
         q->napping = q->claim_wait = 0;
         atomic_store(&q->polling, 0);
     }
@@ -569,12 +570,12 @@ void *clq_find(clq_t *q, int64_t tag) {
     return out;
 }
 
-/* How many of the waiter's waits for the token or for claims to end a signal ended (tests,
-   statistics; see clq_wake_takers). */
-long clq_taker_wakes(clq_t *q) {
+/* How many of the waiter's waits for claims to end a signal cut short (tests, statistics; see
+   clq_wake_takers). */
+long clq_claim_wakes(clq_t *q) {
     if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
     pthread_mutex_lock(&q->lock);
-    long n = q->taker_wakes;
+    long n = q->claim_wakes;
     pthread_mutex_unlock(&q->lock);
     return n;
 }

@@ -17,7 +17,7 @@ int64_t clq_claim(clq_t *q, uintptr_t event_address, int64_t tag, long ns);
 void clq_unclaim(clq_t *q, int64_t claim);
 int clq_claims(clq_t *q);
 long clq_push_wakes(clq_t *q);
-long clq_taker_wakes(clq_t *q);
+long clq_claim_wakes(clq_t *q);
 int clq_resting(clq_t *q);
 int clq_poll(clq_t *q, uintptr_t event_address, int64_t tag, long ns, int64_t claim, int max, int32_t *status,
              double *seconds, int64_t *tags, void **objs);

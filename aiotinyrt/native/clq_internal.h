@@ -69,7 +69,7 @@ struct clq {
                     push while somebody waits for the queue, wakes it */
     int naps;    /* its naps since the last push */
     long push_wakes; /* the pushes that woke it (tests, statistics) */
-    long taker_wakes; /* its waits for the token or for claims that a signal ended (tests, statistics) */
+    long claim_wakes; /* its waits for claims to end that a signal cut short (tests, statistics) */
     int direct;  /* the newest command handed over, a repeat launch, was claimed or polled for:
                     the next command goes to the device at once (see "Gates" in clq.c) ... */
     int64_t direct_claim; /* ... with a claim of its own, which its await's clq_claim takes over;
