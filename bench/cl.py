@@ -88,6 +88,18 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
         (time.process_time() - cpu) / n * 1e6,
     )
     m = max(n // 20, 200)
+    t = time.perf_counter()
+    for _ in range(m):
+        cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
+    s.add("pyopencl|round trip, right after the pipelined launches (us)", (time.perf_counter() - t) / m * 1e6)
+    # The "round trip" rows time round trips on an idle device after as many others; each
+    # side's first ones after its pipelined launches have a row of their own. Right after 20,000
+    # pipelined launches PoCL's two workers took twice their CPU time per round trip (~12-15
+    # against ~6 us each) and aiotinyrt's awaiting thread lost its core once or twice per round
+    # trip, for the next ~1,000-2,000 round trips (per-thread schedstat, ad hoc), not shortened
+    # by a pause of the loop thread; with the enqueue a no-op it did not happen.
+    for _ in range(m):
+        cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
     t, cpu = time.perf_counter(), time.process_time()
     for _ in range(m):
         cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
@@ -256,6 +268,13 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
         (time.process_time() - cpu) / n * 1e6,
     )
     m = max(n // 20, 200)
+    t = time.perf_counter()
+    for _ in range(m):
+        await prog(buf)
+    after_burst = (time.perf_counter() - t) / m * 1e6
+    s.add("aiotinyrt|round trip, right after the pipelined launches (us)", after_burst)
+    for _ in range(m):  # (as pyopencl_rows: the round trip row comes after as many others)
+        await prog(buf)
     t, cpu = time.perf_counter(), time.process_time()
     for _ in range(m):
         await prog(buf)
