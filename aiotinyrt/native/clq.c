@@ -570,24 +570,21 @@ void *clq_find(clq_t *q, int64_t tag) {
     return out;
 }
 
-/* How many of the waiter's waits for claims to end a signal cut short (tests, statistics; see
-   clq_wake_takers). */
-long clq_claim_wakes(clq_t *q) {
-    if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
+/* A count of `q`'s read under its lock (tests, statistics); 0 in a forked child, where the
+   parent's waiter may have held the lock. */
+static long clq_count(clq_t *q, const long *count) {
+    if (clq_forked(q)) return 0;
     pthread_mutex_lock(&q->lock);
-    long n = q->claim_wakes;
+    long n = *count;
     pthread_mutex_unlock(&q->lock);
     return n;
 }
 
-/* How many pushes woke the waiter (tests, statistics). */
-long clq_push_wakes(clq_t *q) {
-    if (clq_forked(q)) return 0; /* a forked child: the parent's waiter may have held the lock */
-    pthread_mutex_lock(&q->lock);
-    long n = q->push_wakes;
-    pthread_mutex_unlock(&q->lock);
-    return n;
-}
+/* How many of the waiter's waits for claims to end a signal cut short (see clq_wake_takers). */
+long clq_claim_wakes(clq_t *q) { return clq_count(q, &q->claim_wakes); }
+
+/* How many pushes woke the waiter. */
+long clq_push_wakes(clq_t *q) { return clq_count(q, &q->push_wakes); }
 
 /* 1 while the waiter naps, 2 while it waits untimed for a push, else 0 (tests, statistics). */
 int clq_resting(clq_t *q) {
