@@ -308,16 +308,21 @@ def test_start_on_a_closed_pool_starts_nothing() -> None:
     assert made == [] and pool._count == 0
 
 
-def test_a_server_runs_the_parent_s_copy_of_the_package_wherever_it_came_from(tmp_path: Path) -> None:
-    """A parent that imported aiotinyrt from a directory put on ``sys.path`` at run time (no
-    install, nothing on PYTHONPATH, run from elsewhere) gets servers running that same copy:
-    each prints its process id from the copy's ``serve``, and the build succeeds."""
-    root = tmp_path / "copy"
+def _package_copy(root: Path) -> Path:
+    """``root`` holding a copy of the aiotinyrt package (its built extension too)."""
     shutil.copytree(
         os.path.join(cl_build.PACKAGE_ROOT, "aiotinyrt"),
         root / "aiotinyrt",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
+    return root
+
+
+def test_a_server_runs_the_parent_s_copy_of_the_package_wherever_it_came_from(tmp_path: Path) -> None:
+    """A parent that imported aiotinyrt from a directory put on ``sys.path`` at run time (no
+    install, nothing on PYTHONPATH, run from elsewhere) gets servers running that same copy:
+    each prints its process id from the copy's ``serve``, and the build succeeds."""
+    root = _package_copy(tmp_path / "copy")
     module = root / "aiotinyrt" / "backends" / "cl_build.py"
     text = module.read_text()
     marker = 'def serve(index: int) -> None:\n    """'
@@ -348,3 +353,21 @@ def test_a_server_runs_the_parent_s_copy_of_the_package_wherever_it_came_from(tm
     assert where == str(module) and built == "True"
     served = [line.split()[2] for line in done.stderr.splitlines() if line.startswith("copy serves ")]
     assert len(served) == 1 and served[0] != pid, done.stderr
+
+
+def test_a_server_takes_nothing_but_the_package_from_the_package_s_directory(tmp_path: Path) -> None:
+    """The package's directory may hold other modules (``site-packages`` does), some named as
+    the standard library's (an old backport): the server imports aiotinyrt from there by its
+    location and everything else from its usual path, so a ``dataclasses.py`` beside the package
+    is never imported and the build succeeds."""
+    root = _package_copy(tmp_path / "site")
+    (root / "dataclasses.py").write_text('raise ImportError("the stale backport was imported")\n')
+    proc = subprocess.Popen(
+        cl_build.server_argv(0, str(root)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    data = cl_build.WARM.encode()
+    out, err = proc.communicate(len(data).to_bytes(4, "little") + data, timeout=120)
+    assert proc.returncode == 0 and out[:1] == b"O", err.decode(errors="replace")

@@ -35,20 +35,26 @@ WARM = "__kernel void aiotinyrt_warm(__global int* o) { o[0] = 1; }"
 _FORK_LOCK = threading.Lock()  # (a forked child's pools reset once each)
 
 
-#: The directory this process's aiotinyrt package lies in. A server imports its code from there,
-#: first on its path: the same code as its parent, whether or not the child's own path would find
-#: aiotinyrt (a package put on ``sys.path`` at run time, a checkout run from elsewhere) or would
-#: find another copy (an older install, whose protocol may differ).
+#: The directory this process's aiotinyrt package lies in. A server imports the package from
+#: there by its location (the same code as its parent, whether or not its own path would find
+#: aiotinyrt: a package put on ``sys.path`` at run time, a checkout run from elsewhere, another
+#: copy installed), and everything else from its usual path: the package's directory is not put
+#: on ``sys.path``, where anything beside the package (``site-packages``' other modules) would
+#: come before the standard library.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SERVE = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "import importlib.util, os, sys; package = os.path.join(sys.argv[1], 'aiotinyrt'); "
+    "spec = importlib.util.spec_from_file_location('aiotinyrt', os.path.join(package, '__init__.py'), "
+    "submodule_search_locations=[package]); "
+    "sys.modules['aiotinyrt'] = importlib.util.module_from_spec(spec); "
+    "spec.loader.exec_module(sys.modules['aiotinyrt']); "
     "from aiotinyrt.backends.cl_build import serve; serve(int(sys.argv[2]))"
 )
 
 
-def server_argv(index: int) -> list[str]:
-    """The command line of a server for device ``index``."""
-    return [sys.executable, "-c", _SERVE, PACKAGE_ROOT, str(index)]
+def server_argv(index: int, root: str = PACKAGE_ROOT) -> list[str]:
+    """The command line of a server for device ``index``, running the package in ``root``."""
+    return [sys.executable, "-c", _SERVE, root, str(index)]
 
 
 class BuildServer:
