@@ -22,8 +22,9 @@ at all (``cl_floor.c``, built with ``$CC`` or ``cc`` into a temporary library an
 this process), and the aiotinyrt rows "the driver's enqueue a no-op" time aiotinyrt's own share,
 its C launch pointed at a stand-in for ``clEnqueueNDRangeKernel`` that enqueues nothing. The
 paced "PoCL from C" rows ("N us of other work per launch") spin N microseconds after each
-enqueue, as a runtime's own share of a launch would: what PoCL's enqueue costs at that pace
-(more than back to back: its workers catch up between two enqueues).
+enqueue, as a runtime's own share of a launch would: the loop's cost per launch at that pace,
+the spin included (its enqueue costs more than back to back: PoCL's workers catch up between
+two enqueues).
 """
 
 from __future__ import annotations

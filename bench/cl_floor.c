@@ -10,11 +10,12 @@
      out[0]: n launches enqueued back to back, each event released at once (as a pyopencl loop
              drops them), microseconds per launch;
      out[1]: the same n launches to the last one's completion (clFinish), per launch;
-     out[2]: the median of m round trips (enqueue, then clWaitForEvents), microseconds;
+     out[2]: the median of m round trips (enqueue, then clWaitForEvents), microseconds, after m
+             others (as bench/cl.py's round-trip rows);
      out[3 + 2j], out[4 + 2j] (j < k): out[0] and out[1] again with work_us[j] microseconds of
              other work (the thread spinning on the clock) after each enqueue, as a runtime's own
-             bookkeeping between two launches: PoCL's enqueue costs more when its workers catch
-             up with the queue between two enqueues.
+             bookkeeping between two launches, the spin included: PoCL's enqueue costs more
+             when its workers catch up with the queue between two enqueues.
    Returns 0, or the first OpenCL error code met (-1000: the loader or an entry point is
    missing; -1001: n < 1 or m < 1). What it made is released either way.
 
@@ -141,7 +142,7 @@ int floor_run(int n, int m, const double *work_us, int k, double *out) {
     if (!err) err = pipelined(clEnqueueNDRangeKernel, clReleaseEvent, clFinish, queue, kernel, n, 0.0, out);
     for (int j = 0; j < k && !err; j++)
         err = pipelined(clEnqueueNDRangeKernel, clReleaseEvent, clFinish, queue, kernel, n, work_us[j], out + 3 + 2 * j);
-    for (int i = 0; i < m && !err; i++) {
+    for (int i = 0; i < 2 * m && !err; i++) { /* (the first m, right after the launches above, not kept) */
         handle event;
         double start = now();
         err = clEnqueueNDRangeKernel(queue, kernel, 1, NULL, &global, NULL, 0, NULL, &event);
@@ -149,7 +150,7 @@ int floor_run(int n, int m, const double *work_us, int k, double *out) {
             err = clWaitForEvents(1, &event);
             clReleaseEvent(event);
         }
-        trips[i] = (now() - start) * 1e6;
+        if (i >= m) trips[i - m] = (now() - start) * 1e6;
     }
     if (!err) {
         qsort(trips, (size_t)m, sizeof *trips, by_value);
