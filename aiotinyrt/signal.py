@@ -433,39 +433,37 @@ class Signal:
         # what ``asyncio.sleep(0)`` makes (the task runs again after one pass of the loop, and
         # a cancellation is thrown in there); on trio ``trio.lowlevel.checkpoint()``. A poll
         # that completed the command returns its device seconds; anything else goes on as
-        # wait() does, its checkpoint made.
-        # A command already done, on any queue, needs that checkpoint alone (wait() would make
-        # anyio's, behind two coroutine frames: ~7 of ~15 us of such an await on asyncio here).
+        # wait() does, its checkpoint made. A command already done, on any queue, takes that
+        # checkpoint alone (wait()'s frames and anyio's: ~7 of ~15 us of it on asyncio here).
         timeline = self.timeline
         claim = timeline.claim
         library = _async_library.name if "trio" in _MODULES and _async_library is not None else None
         if library not in (None, "asyncio", "trio"):
             return (yield from self.wait().__await__())
         number = 0 if claim is None else claim(self.value)  # (0: nothing claimed, or done)
-        if not number and timeline.completed >= self.value:
-            if library == "trio":
-                yield from _MODULES["trio"].lowlevel.checkpoint().__await__()
-            else:
-                yield
-            return self.result()
-        if claim is None:
+        done = not number and timeline.completed >= self.value
+        if claim is None and not done:
             return (yield from self.wait().__await__())
         poll = timeline.poll
-        assert poll is not None
-        if number:
+        if number or done:
             try:
                 if library == "trio":
                     yield from _MODULES["trio"].lowlevel.checkpoint().__await__()
                 else:
                     yield
             except BaseException:
-                assert timeline.unclaim is not None
-                timeline.unclaim(number)
+                if number:
+                    assert timeline.unclaim is not None
+                    timeline.unclaim(number)
                 raise
+            if done:
+                return self.result()
+            assert poll is not None
             elapsed = poll(self.value, number)
             if elapsed is not None:
                 return elapsed
         elif timeline.completed < self.value:
+            assert poll is not None
             poll(self.value)  # (nothing claimed: the poll an unclaimed wait makes)
         yield from self._settle(None, polled=True, checked=bool(number)).__await__()
         return self.result()
