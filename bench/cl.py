@@ -6,7 +6,10 @@
 
 Every figure is the median over the repetitions (the copy rows: over every copy); each
 repetition runs every row once, in the same order, so slow phases of a noisy machine hit all
-columns alike; the copies of pyopencl and aiotinyrt alternate, one each in turn. The kernel is
+columns alike; the copies of pyopencl and aiotinyrt alternate, one each in turn. A second table
+checks the issue's three targets with ratios of paired measurements (``paired_rows``): a burst
+of pipelined launches or a block of round trips of one side, then the same of the other at
+once, in turn; its median is over every pair, with their range. The kernel is
 ``out[0] += 1`` on one int. Also measured: the two completion paths a driver-run queue can take
 (a clSetEventCallback per event, or one waiter thread calling clWaitForEvents in order), on the
 raw binding, and whether two builds of distinct kernels overlap: on two threads of one process
@@ -23,8 +26,7 @@ this process), and the aiotinyrt rows "the driver's enqueue a no-op" time aiotin
 its C launch pointed at a stand-in for ``clEnqueueNDRangeKernel`` that enqueues nothing. The
 paced "PoCL from C" rows ("N us of other work per launch") spin N microseconds after each
 enqueue, as a runtime's own share of a launch would: the loop's cost per launch at that pace,
-the spin included (its enqueue costs more than back to back: PoCL's workers catch up between
-two enqueues).
+the spin included.
 """
 
 from __future__ import annotations
@@ -94,11 +96,12 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
         cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
     s.add("pyopencl|round trip, right after the pipelined launches (us)", (time.perf_counter() - t) / m * 1e6)
     # The "round trip" rows time round trips on an idle device after as many others; each
-    # side's first ones after its pipelined launches have a row of their own. Right after 20,000
-    # pipelined launches PoCL's two workers took twice their CPU time per round trip (~12-15
-    # against ~6 us each) and aiotinyrt's awaiting thread lost its core once or twice per round
-    # trip, for the next ~1,000-2,000 round trips (per-thread schedstat, ad hoc), not shortened
-    # by a pause of the loop thread; with the enqueue a no-op it did not happen.
+    # side's first ones after its pipelined launches have a row of their own. After a burst of
+    # pipelined launches a round trip may take ~2x as long for the next ~1,000-2,000 of them,
+    # on either side (PoCL's two workers then take twice their CPU time per round trip), and
+    # pyopencl's alone moved between ~20 and ~30-50 us from one block of 200 to the next in
+    # one process (ad hoc): a row of one side against the other's seconds later compares
+    # states as much as runtimes, hence the paired ratios (paired_rows).
     for _ in range(m):
         cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
     t, cpu = time.perf_counter(), time.process_time()
@@ -115,13 +118,34 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
         cl.enqueue_copy(q, *((big, host) if into else (host, big)), is_blocking=True)
         return time.perf_counter() - t
 
-    _pyopencl_copy[:] = [copy]
+    def launches(count: int) -> tuple[float, float]:
+        """``count`` pipelined launches: seconds per launch to the last enqueue and to its completion."""
+        q.finish()
+        t = time.perf_counter()
+        for _ in range(count - 1):
+            cl.enqueue_nd_range_kernel(q, kernel, g, None)
+        last = cl.enqueue_nd_range_kernel(q, kernel, g, None)
+        enqueued = time.perf_counter() - t
+        last.wait()
+        return enqueued / count, (time.perf_counter() - t) / count
+
+    def trips(count: int) -> float:
+        """``count`` round trips: seconds per round trip."""
+        t = time.perf_counter()
+        for _ in range(count):
+            cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
+        return (time.perf_counter() - t) / count
+
+    # (buf too: the kernel's argument, which pyopencl's set_arg does not keep alive)
+    _pyopencl.update(copy=copy, launches=launches, trips=trips, buf=buf)
 
 
-#: pyopencl's copy of this repetition (pyopencl_rows), which aiotinyrt_rows alternates with its
-#: own: copies move with the machine's memory bandwidth of the moment, so the two sides' copies
-#: are interleaved rather than run seconds apart.
-_pyopencl_copy: list[Callable[[bool], float]] = []
+#: pyopencl's copy, pipelined launches and round trips of this repetition (pyopencl_rows), which
+#: aiotinyrt_rows alternates with its own (paired_rows): on this machine pyopencl's own figures
+#: move by 2x from one moment to the next (a pipelined launch 2.7-6.5 us within one process, a
+#: round trip 19-50 us; PoCL's two workers and the submitting thread share two cores), so
+#: each comparison is made between two measurements taken next to each other, in turn.
+_pyopencl: dict[str, Any] = {}
 
 
 def floor_rows(s: Samples, n: int) -> None:
@@ -293,16 +317,24 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     await hop_rows(s, driver, prog, buf, m)
     await batch_rows(s, dev, prog, buf, n)
     await stub_rows(s, dev, prog, buf, n)
+    await paired_rows(s, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
     for into, name in ((True, "copyin"), (False, "copyout")):
-        for _ in range(COPIES):  # (each one after one of pyopencl's: see _pyopencl_copy)
-            if _pyopencl_copy:
-                s.add(f"pyopencl|{name} 64 MiB (GB/s)", nbytes / _pyopencl_copy[0](into) / 1e9)
+        for _ in range(COPIES):  # (each one after one of pyopencl's: see _pyopencl)
+            theirs = _pyopencl["copy"](into) if _pyopencl else None
+            if theirs is not None:
+                s.add(f"pyopencl|{name} 64 MiB (GB/s)", nbytes / theirs / 1e9)
             t = time.perf_counter()
             await (big.copyin(host) if into else big.copyout(host))
-            s.add(f"aiotinyrt|{name} 64 MiB (GB/s)", nbytes / (time.perf_counter() - t) / 1e9)
-    _pyopencl_copy.clear()
+            ours = time.perf_counter() - t
+            s.add(f"aiotinyrt|{name} 64 MiB (GB/s)", nbytes / ours / 1e9)
+            if theirs is not None:
+                s.add(
+                    f"target|{name}: aiotinyrt's speed / pyopencl's, each copy after one of theirs (%)",
+                    theirs / ours * 100,
+                )
+    _pyopencl.clear()
     await big.free()
     sig = prog(buf)
     t = time.perf_counter()
@@ -311,6 +343,51 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
             tg.start_soon(sig.wait)
     s.add("aiotinyrt|1,000 concurrent awaits (ms)", (time.perf_counter() - t) * 1e3)
     await buf.free()
+
+
+#: Pairs of pipelined bursts and of round-trip blocks per repetition (paired_rows).
+PAIRS = 4
+
+
+async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
+    """The targets' ratios, each from a pair of measurements taken one after the other:
+    PAIRS bursts of ``n`` pipelined launches and 3 * PAIRS blocks of round trips (after as many
+    others on each side), pyopencl's and aiotinyrt's in turn, each side first in every other
+    pair. One row per pair: the median is over every pair of every repetition."""
+    if not _pyopencl:
+        return
+    launches, trips, m = _pyopencl["launches"], _pyopencl["trips"], max(n // 100, 200)
+
+    async def our_launches() -> tuple[float, float]:
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            prog(buf)
+        last = prog(buf)
+        enqueued = time.perf_counter() - t
+        await last
+        return enqueued / n, (time.perf_counter() - t) / n
+
+    async def our_trips(count: int) -> float:
+        t = time.perf_counter()
+        for _ in range(count):
+            await prog(buf)
+        return (time.perf_counter() - t) / count
+
+    for k in range(PAIRS):
+        if k % 2:
+            ours, theirs = await our_launches(), launches(n)
+        else:
+            theirs, ours = launches(n), await our_launches()
+        s.add("target|pipelined launch: aiotinyrt / pyopencl, paired bursts (x)", ours[0] / theirs[0])
+        s.add("target|to the last completion: aiotinyrt / pyopencl, paired bursts (x)", ours[1] / theirs[1])
+    trips(5 * m)  # (the first round trips after pipelined launches: see pyopencl_rows)
+    await our_trips(5 * m)
+    for k in range(3 * PAIRS):
+        if k % 2:
+            ours_rt, theirs_rt = await our_trips(m), trips(m)
+        else:
+            theirs_rt, ours_rt = trips(m), await our_trips(m)
+        s.add("target|round trip: aiotinyrt / pyopencl, paired blocks (x)", ours_rt / theirs_rt)
 
 
 async def hop_rows(s: Samples, driver: Any, prog: Any, buf: Buffer, m: int) -> None:
@@ -670,7 +747,13 @@ def main() -> None:
     print("\n| side | measurement | value |\n|---|---|---|")
     for key in s.values:
         side, what = key.split("|")
-        print(f"| {side} | {what} | {s.median(key):.2f} |")
+        if side != "target":
+            print(f"| {side} | {what} | {s.median(key):.2f} |")
+    print("\n| target | median | range | pairs |\n|---|---|---|---|")
+    for key, values in s.values.items():
+        side, what = key.split("|")
+        if side == "target":
+            print(f"| {what} | {s.median(key):.2f} | {min(values):.2f}-{max(values):.2f} | {len(values)} |")
     if _floors and isinstance(_floors[0], str):
         s.notes["PoCL from C"] = _floors[0]
     for side, note in s.notes.items():
