@@ -749,15 +749,16 @@ def main() -> None:
         side, what = key.split("|")
         if side != "target":
             print(f"| {side} | {what} | {s.median(key):.2f} |")
-    print("\n| target | median | range | pairs |\n|---|---|---|---|")
-    for key, values in s.values.items():
-        side, what = key.split("|")
-        if side == "target":
-            print(f"| {what} | {s.median(key):.2f} | {min(values):.2f}-{max(values):.2f} | {len(values)} |")
     if _floors and isinstance(_floors[0], str):
         s.notes["PoCL from C"] = _floors[0]
     for side, note in s.notes.items():
         print(f"| {side} | - | {note} |")
+    targets = {key.split("|")[1]: values for key, values in s.values.items() if key.startswith("target|")}
+    if targets:  # (none with --only compile, or without pyopencl)
+        print("\n| target | median | range | pairs |\n|---|---|---|---|")
+        for what, values in targets.items():
+            spread = f"{min(values):.2f}-{max(values):.2f}"
+            print(f"| {what} | {statistics.median(values):.2f} | {spread} | {len(values)} |")
 
 
 if __name__ == "__main__":
