@@ -16,9 +16,9 @@ raw binding, and whether two builds of distinct kernels overlap: on two threads 
 (they take turns on a lock inside PoCL) or in two compile-server processes. Process CPU rows
 count every thread of this process (PoCL's, the waiters): other processes' load does not
 inflate them as it does wall time; the submitting thread's CPU rows count the enqueuing
-thread alone (pyopencl's loop; aiotinyrt's launches while the waiter is held). Prints one
-markdown table. Needs pyopencl for its rows (``pip install pyopencl``); tinygrad's rows appear
-when ``tinygrad.runtime.ops_cl`` imports.
+thread alone (pyopencl's loop; aiotinyrt's launches while the waiter is held). Prints two
+markdown tables: every row, then the targets. Needs pyopencl for its rows (``pip install
+pyopencl``); tinygrad's rows appear when ``tinygrad.runtime.ops_cl`` imports.
 
 Two kinds of row bound the others: "PoCL from C" times the same launches from C with no Python
 at all (``cl_floor.c``, built with ``$CC`` or ``cc`` into a temporary library and called in
@@ -59,8 +59,10 @@ from aiotinyrt.driverqueue import Completion, DriverQueue
 
 SRC = "__kernel void inc(__global int* out) { out[0] += 1; }"
 MiB = 1 << 20
-#: Copies of each direction per repetition and side: a row's median is over all of them (the
-#: first of pyopencl's copyins also touches its buffer's pages for the first time).
+#: Copies of each direction per repetition and side: a row's median is over all of them. Each
+#: side's 64 MiB buffer is written once before they are timed: pyopencl's is new at each
+#: repetition, aiotinyrt's comes back from its allocator's cache after the first, and a first
+#: copyin into fresh pages took ~5x as long.
 COPIES = 5
 
 
@@ -111,6 +113,7 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
     s.add("pyopencl|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
     host = np.ones(nbytes // 4, np.int32)
     big = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
+    cl.enqueue_copy(q, big, host, is_blocking=True)  # (its pages touched: see COPIES)
 
     def copy(into: bool) -> float:
         """One blocking 64 MiB copy, in or out: its wall seconds."""
@@ -320,6 +323,7 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     await paired_rows(s, prog, buf, n)
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
+    await big.copyin(host)  # (see COPIES)
     for into, name in ((True, "copyin"), (False, "copyout")):
         for _ in range(COPIES):  # (each one after one of pyopencl's: see _pyopencl)
             theirs = _pyopencl["copy"](into) if _pyopencl else None
@@ -351,9 +355,12 @@ PAIRS = 4
 
 async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
     """The targets' ratios, each from a pair of measurements taken one after the other:
-    PAIRS bursts of ``n`` pipelined launches and 3 * PAIRS blocks of round trips (after as many
-    others on each side), pyopencl's and aiotinyrt's in turn, each side first in every other
-    pair. One row per pair: the median is over every pair of every repetition."""
+    PAIRS bursts of ``n`` pipelined launches and 3 * PAIRS blocks of round trips, pyopencl's and
+    aiotinyrt's in turn, each side first in every other pair. Every burst timed follows another
+    burst (one untimed burst of each side comes first), so these bursts are not the first
+    table's, which follow round trips; the blocks of round trips follow 5 untimed blocks on
+    each side. One target row per pair (the median is over every pair of every repetition),
+    and each side's medians of its paired bursts and blocks in the first table."""
     if not _pyopencl:
         return
     launches, trips, m = _pyopencl["launches"], _pyopencl["trips"], max(n // 100, 200)
@@ -373,11 +380,15 @@ async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
             await prog(buf)
         return (time.perf_counter() - t) / count
 
+    await our_launches()
+    launches(n)
     for k in range(PAIRS):
         if k % 2:
             ours, theirs = await our_launches(), launches(n)
         else:
             theirs, ours = launches(n), await our_launches()
+        s.add("pyopencl|pipelined launch, paired bursts (us)", theirs[0] * 1e6)
+        s.add("aiotinyrt|pipelined launch, paired bursts (us)", ours[0] * 1e6)
         s.add("target|pipelined launch: aiotinyrt / pyopencl, paired bursts (x)", ours[0] / theirs[0])
         s.add("target|to the last completion: aiotinyrt / pyopencl, paired bursts (x)", ours[1] / theirs[1])
     trips(5 * m)  # (the first round trips after pipelined launches: see pyopencl_rows)
@@ -387,6 +398,8 @@ async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
             ours_rt, theirs_rt = await our_trips(m), trips(m)
         else:
             theirs_rt, ours_rt = trips(m), await our_trips(m)
+        s.add("pyopencl|round trip, paired blocks (us)", theirs_rt * 1e6)
+        s.add("aiotinyrt|round trip, paired blocks (us)", ours_rt * 1e6)
         s.add("target|round trip: aiotinyrt / pyopencl, paired blocks (x)", ours_rt / theirs_rt)
 
 

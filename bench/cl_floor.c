@@ -14,8 +14,8 @@
              others (as bench/cl.py's round-trip rows);
      out[3 + 2j], out[4 + 2j] (j < k): out[0] and out[1] again with work_us[j] microseconds of
              other work (the thread spinning on the clock) after each enqueue, as a runtime's own
-             bookkeeping between two launches, the spin included (PoCL's enqueue itself then
-             costs more than back to back: out[3] exceeds out[0] + 0.5 us).
+             bookkeeping between two launches, the spin included (on 2 cores out[3] has read
+             more than out[0] + 0.5 us).
    Returns 0, or the first OpenCL error code met (-1000: the loader or an entry point is
    missing; -1001: n < 1 or m < 1). What it made is released either way.
 
