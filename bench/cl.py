@@ -4,12 +4,14 @@
     python bench/cl.py --launches 100000 --reps 3
     python bench/cl.py --only compile   # the compile rows alone
 
-Every figure is the median over the repetitions (the copy rows: over every copy); each
-repetition runs every row once, in the same order, so slow phases of a noisy machine hit all
-columns alike; the copies of pyopencl and aiotinyrt alternate, one each in turn. A second table
-checks the issue's three targets with ratios of paired measurements (``paired_rows``): a burst
-of pipelined launches or a block of round trips of one side, then the same of the other at
-once, in turn; its median is over every pair, with their range. The kernel is
+Every figure is the median over the repetitions (the copy rows and the paired rows: over
+every copy, burst or block of every repetition); each repetition runs every row once, in the
+same order, so slow phases of a noisy machine hit all columns alike; the copies of pyopencl and
+aiotinyrt alternate, each side first every other time. A second table checks the issue's three
+targets with ratios of paired measurements (``paired_rows``, and the copies): a burst of
+pipelined launches, a block of round trips or a copy of one side, then the same of the other
+at once, each side first in every other pair; its median is the median of the pairs' ratios,
+with their range. The kernel is
 ``out[0] += 1`` on one int. Also measured: the two completion paths a driver-run queue can take
 (a clSetEventCallback per event, or one waiter thread calling clWaitForEvents in order), on the
 raw binding, and whether two builds of distinct kernels overlap: on two threads of one process
@@ -145,7 +147,7 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
 
 #: pyopencl's copy, pipelined launches and round trips of this repetition (pyopencl_rows), which
 #: aiotinyrt_rows alternates with its own (paired_rows): on this machine pyopencl's own figures
-#: move by 2x from one moment to the next (a pipelined launch 2.7-6.5 us within one process, a
+#: move by 2x from one moment to the next (a pipelined launch loop 2.0-5.2 us within one process, a
 #: round trip 19-50 us; PoCL's two workers and the submitting thread share two cores), so
 #: each comparison is made between two measurements taken next to each other, in turn.
 _pyopencl: dict[str, Any] = {}
@@ -324,19 +326,25 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     host = np.ones(nbytes // 4, np.int32)
     big = await Buffer("CL", nbytes // 4, dtypes.int32).allocate()
     await big.copyin(host)  # (see COPIES)
+
+    async def our_copy(into: bool) -> float:
+        t = time.perf_counter()
+        await (big.copyin(host) if into else big.copyout(host))
+        return time.perf_counter() - t
+
+    theirs: float | None = None
     for into, name in ((True, "copyin"), (False, "copyout")):
-        for _ in range(COPIES):  # (each one after one of pyopencl's: see _pyopencl)
-            theirs = _pyopencl["copy"](into) if _pyopencl else None
-            if theirs is not None:
-                s.add(f"pyopencl|{name} 64 MiB (GB/s)", nbytes / theirs / 1e9)
-            t = time.perf_counter()
-            await (big.copyin(host) if into else big.copyout(host))
-            ours = time.perf_counter() - t
+        for i in range(COPIES):  # (pyopencl's and aiotinyrt's in turn, each first every other time)
+            if i % 2 or not _pyopencl:
+                ours = await our_copy(into)
+                theirs = _pyopencl["copy"](into) if _pyopencl else None
+            else:
+                theirs, ours = _pyopencl["copy"](into), await our_copy(into)
             s.add(f"aiotinyrt|{name} 64 MiB (GB/s)", nbytes / ours / 1e9)
             if theirs is not None:
+                s.add(f"pyopencl|{name} 64 MiB (GB/s)", nbytes / theirs / 1e9)
                 s.add(
-                    f"target|{name}: aiotinyrt's speed / pyopencl's, each copy after one of theirs (%)",
-                    theirs / ours * 100,
+                    f"target|{name}: aiotinyrt's speed / pyopencl's, paired copies (%)", theirs / ours * 100
                 )
     _pyopencl.clear()
     await big.free()
@@ -358,7 +366,7 @@ async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
     PAIRS bursts of ``n`` pipelined launches and 3 * PAIRS blocks of round trips, pyopencl's and
     aiotinyrt's in turn, each side first in every other pair. Every burst timed follows another
     burst (one untimed burst of each side comes first), so these bursts are not the first
-    table's, which follow round trips; the blocks of round trips follow 5 untimed blocks on
+    table's, which follow round trips; the blocks of round trips follow 10 untimed blocks on
     each side. One target row per pair (the median is over every pair of every repetition),
     and each side's medians of its paired bursts and blocks in the first table."""
     if not _pyopencl:
@@ -391,8 +399,8 @@ async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
         s.add("aiotinyrt|pipelined launch, paired bursts (us)", ours[0] * 1e6)
         s.add("target|pipelined launch: aiotinyrt / pyopencl, paired bursts (x)", ours[0] / theirs[0])
         s.add("target|to the last completion: aiotinyrt / pyopencl, paired bursts (x)", ours[1] / theirs[1])
-    trips(5 * m)  # (the first round trips after pipelined launches: see pyopencl_rows)
-    await our_trips(5 * m)
+    trips(10 * m)  # (the first round trips after pipelined launches: see pyopencl_rows)
+    await our_trips(10 * m)
     for k in range(3 * PAIRS):
         if k % 2:
             ours_rt, theirs_rt = await our_trips(m), trips(m)
