@@ -4,23 +4,23 @@
     python bench/cl.py --launches 100000 --reps 3
     python bench/cl.py --only compile   # the compile rows alone
 
-Every figure is the median over the repetitions (the copy rows and the paired rows: over
-every copy, burst or block of every repetition); each repetition runs every row once, in the
-same order, so slow phases of a noisy machine hit all columns alike; the copies of pyopencl and
+Every figure is the median over the repetitions (the copy rows and the paired rows: over every
+copy, burst or block of every repetition); each repetition runs every row once, in the same
+order, so slow phases of a noisy machine hit all columns alike; the copies of pyopencl and
 aiotinyrt alternate, each side first every other time. A second table checks the issue's three
 targets with ratios of paired measurements (``paired_rows``, and the copies): a burst of
-pipelined launches, a block of round trips or a copy of one side, then the same of the other
-at once, each side first in every other pair; its median is the median of the pairs' ratios,
-with their range. The kernel is
-``out[0] += 1`` on one int. Also measured: the two completion paths a driver-run queue can take
-(a clSetEventCallback per event, or one waiter thread calling clWaitForEvents in order), on the
-raw binding, and whether two builds of distinct kernels overlap: on two threads of one process
-(they take turns on a lock inside PoCL) or in two compile-server processes. Process CPU rows
-count every thread of this process (PoCL's, the waiters): other processes' load does not
-inflate them as it does wall time; the submitting thread's CPU rows count the enqueuing
-thread alone (pyopencl's loop; aiotinyrt's launches while the waiter is held). Prints two
-markdown tables: every row, then the targets. Needs pyopencl for its rows (``pip install
-pyopencl``); tinygrad's rows appear when ``tinygrad.runtime.ops_cl`` imports.
+pipelined launches, a block of round trips or a copy of one side, then the same of the other at
+once, each side first in every other pair; its median is the median of the pairs' ratios, with
+their range. The kernel is ``out[0] += 1`` on one int. Also measured: the two completion paths
+a driver-run queue can take (a clSetEventCallback per event, or one waiter thread calling
+clWaitForEvents in order), on the raw binding, and whether two builds of distinct kernels
+overlap: on two threads of one process (they take turns on a lock inside PoCL) or in two
+compile-server processes. Process CPU rows count every thread of this process (PoCL's, the
+waiters): other processes' load does not inflate them as it does wall time; the submitting
+thread's CPU rows count the enqueuing thread alone (pyopencl's loop; aiotinyrt's launches while
+the waiter is held). Prints two markdown tables: every row, then the targets. Needs pyopencl
+for its rows (``pip install pyopencl``); tinygrad's rows appear when
+``tinygrad.runtime.ops_cl`` imports.
 
 Two kinds of row bound the others: "PoCL from C" times the same launches from C with no Python
 at all (``cl_floor.c``, built with ``$CC`` or ``cc`` into a temporary library and called in
