@@ -94,11 +94,16 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
         "pyopencl|pipelined launch, process CPU to the last completed (us)",
         (time.process_time() - cpu) / n * 1e6,
     )
+
+    def trips(count: int) -> float:
+        """``count`` round trips: seconds per round trip."""
+        t = time.perf_counter()
+        for _ in range(count):
+            cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
+        return (time.perf_counter() - t) / count
+
     m = max(n // 20, 200)
-    t = time.perf_counter()
-    for _ in range(m):
-        cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
-    s.add("pyopencl|round trip, right after the pipelined launches (us)", (time.perf_counter() - t) / m * 1e6)
+    s.add("pyopencl|round trip, right after the pipelined launches (us)", trips(m) * 1e6)
     # The "round trip" rows time round trips on an idle device after as many others; each
     # side's first ones after its pipelined launches have a row of their own. After a burst of
     # pipelined launches a round trip may take ~2x as long for the next ~1,000-2,000 of them,
@@ -106,12 +111,9 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
     # pyopencl's alone moved between ~20 and ~30-50 us from one block of 200 to the next in
     # one process (ad hoc): a row of one side against the other's seconds later compares
     # states as much as runtimes, hence the paired ratios (paired_rows).
-    for _ in range(m):
-        cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
-    t, cpu = time.perf_counter(), time.process_time()
-    for _ in range(m):
-        cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
-    s.add("pyopencl|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+    trips(m)
+    cpu = time.process_time()
+    s.add("pyopencl|round trip (us)", trips(m) * 1e6)
     s.add("pyopencl|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
     host = np.ones(nbytes // 4, np.int32)
     big = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, nbytes)
@@ -133,13 +135,6 @@ def pyopencl_rows(s: Samples, n: int, nbytes: int) -> None:
         enqueued = time.perf_counter() - t
         last.wait()
         return enqueued / count, (time.perf_counter() - t) / count
-
-    def trips(count: int) -> float:
-        """``count`` round trips: seconds per round trip."""
-        t = time.perf_counter()
-        for _ in range(count):
-            cl.enqueue_nd_range_kernel(q, kernel, g, None).wait()
-        return (time.perf_counter() - t) / count
 
     # (buf too: the kernel's argument, which pyopencl's set_arg does not keep alive)
     _pyopencl.update(copy=copy, launches=launches, trips=trips, buf=buf)
@@ -298,25 +293,15 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
         (time.process_time() - cpu) / n * 1e6,
     )
     m = max(n // 20, 200)
-    t = time.perf_counter()
-    for _ in range(m):
-        await prog(buf)
-    after_burst = (time.perf_counter() - t) / m * 1e6
-    s.add("aiotinyrt|round trip, right after the pipelined launches (us)", after_burst)
-    for _ in range(m):  # (as pyopencl_rows: the round trip row comes after as many others)
-        await prog(buf)
-    t, cpu = time.perf_counter(), time.process_time()
-    for _ in range(m):
-        await prog(buf)
-    s.add("aiotinyrt|round trip (us)", (time.perf_counter() - t) / m * 1e6)
+    s.add("aiotinyrt|round trip, right after the pipelined launches (us)", await _trips(prog, buf, m) * 1e6)
+    await _trips(prog, buf, m)  # (as pyopencl_rows: the round trip row comes after as many others)
+    cpu = time.process_time()
+    s.add("aiotinyrt|round trip (us)", await _trips(prog, buf, m) * 1e6)
     s.add("aiotinyrt|round trip, process CPU (us)", (time.process_time() - cpu) / m * 1e6)
     driver = dev._compute_queue.driver
     budget, driver._poll_ns = driver._poll_ns, 0  # (CL_POLL_US=0: the waiter thread reports)
     try:
-        t = time.perf_counter()
-        for _ in range(m):
-            await prog(buf)
-        s.add("aiotinyrt|round trip, no poll: the waiter reports (us)", (time.perf_counter() - t) / m * 1e6)
+        s.add("aiotinyrt|round trip, no poll: the waiter reports (us)", await _trips(prog, buf, m) * 1e6)
     finally:
         driver._poll_ns = budget
     await hop_rows(s, driver, prog, buf, m)
@@ -357,6 +342,14 @@ async def aiotinyrt_rows(s: Samples, n: int, nbytes: int) -> None:
     await buf.free()
 
 
+async def _trips(prog: Any, buf: Buffer, count: int) -> float:
+    """``count`` launch round trips of ``prog(buf)``: seconds per round trip."""
+    t = time.perf_counter()
+    for _ in range(count):
+        await prog(buf)
+    return (time.perf_counter() - t) / count
+
+
 #: Pairs of pipelined bursts and of round-trip blocks per repetition (paired_rows).
 PAIRS = 4
 
@@ -382,12 +375,6 @@ async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
         await last
         return enqueued / n, (time.perf_counter() - t) / n
 
-    async def our_trips(count: int) -> float:
-        t = time.perf_counter()
-        for _ in range(count):
-            await prog(buf)
-        return (time.perf_counter() - t) / count
-
     await our_launches()
     launches(n)
     for k in range(PAIRS):
@@ -400,12 +387,12 @@ async def paired_rows(s: Samples, prog: Any, buf: Buffer, n: int) -> None:
         s.add("target|pipelined launch: aiotinyrt / pyopencl, paired bursts (x)", ours[0] / theirs[0])
         s.add("target|to the last completion: aiotinyrt / pyopencl, paired bursts (x)", ours[1] / theirs[1])
     trips(10 * m)  # (the first round trips after pipelined launches: see pyopencl_rows)
-    await our_trips(10 * m)
+    await _trips(prog, buf, 10 * m)
     for k in range(3 * PAIRS):
         if k % 2:
-            ours_rt, theirs_rt = await our_trips(m), trips(m)
+            ours_rt, theirs_rt = await _trips(prog, buf, m), trips(m)
         else:
-            theirs_rt, ours_rt = trips(m), await our_trips(m)
+            theirs_rt, ours_rt = trips(m), await _trips(prog, buf, m)
         s.add("pyopencl|round trip, paired blocks (us)", theirs_rt * 1e6)
         s.add("aiotinyrt|round trip, paired blocks (us)", ours_rt * 1e6)
         s.add("target|round trip: aiotinyrt / pyopencl, paired blocks (x)", ours_rt / theirs_rt)
